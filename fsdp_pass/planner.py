@@ -1,0 +1,439 @@
+"""The structure-aware planner: pack a bucket's tensors into one flat buffer of ``m * S`` elements.
+
+Constraints (checked by :meth:`Layout.validate`):
+
+* **no cut block** — every rank boundary ``k * S`` inside a tensor falls on one of its block boundaries;
+* **contiguous tensors** — each tensor is one interval; padding only goes *between* tensors;
+* **balanced load** — every rank holds exactly ``S`` elements;
+* **alignment** — every tensor start and ``S`` are multiples of ``align`` elements (16-byte views).
+
+Finding the smallest ``S`` is NP-hard in general. The heuristic: for a fixed tensor order and a fixed
+``S``, placing each tensor at its *earliest valid start* is optimal (a smaller cursor never removes
+options for later tensors), so feasibility is one linear pass. A tensor that contains a whole shard
+forces ``S`` to be a multiple of its block, so ``S`` is searched (binary search) over multiples of
+candidate alignments: running LCMs of block sizes, in ascending block order and in descending tensor
+size order. Five tensor orders are tried (given; by block size and by size, each descending and
+ascending); the smallest ``S`` wins.
+
+Pure Python over numbers: nothing here imports ``torch``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .placement import RaggedShard
+
+__all__ = [
+    "BaselineLayout",
+    "Layout",
+    "TensorSpec",
+    "fsdp2_shard0",
+    "naive_concat",
+    "plan",
+    "plan_buckets",
+    "rowwise_concat",
+]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to place: its name, element count and block size (elements; must divide numel).
+
+    ``shape`` is optional; the baselines that shard by rows (FSDP2, row-wise) need it.
+    """
+
+    name: str
+    numel: int
+    block: int = 1
+    shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.numel < 0:
+            raise ValueError(f"{self.name}: numel must be >= 0, got {self.numel}")
+        if self.block < 1 or (self.numel and self.numel % self.block):
+            raise ValueError(
+                f"{self.name}: block of {self.block} elements does not divide its {self.numel} "
+                f"elements; pick a block that divides the tensor (for rows: a divisor of the row count times the row size)"
+            )
+        if self.shape is not None and math.prod(self.shape) != self.numel:
+            raise ValueError(f"{self.name}: shape {self.shape} has {math.prod(self.shape)} elements, not {self.numel}")
+
+    @property
+    def row(self) -> int:
+        """Elements of one leading-dim slice (the whole tensor for 0/1-dim shapes without ``shape``)."""
+        if self.shape is None or len(self.shape) < 2:
+            return 1
+        return math.prod(self.shape[1:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A bucket's flat buffer: where each tensor starts, and the per-rank shard size ``S``."""
+
+    specs: tuple[TensorSpec, ...]  # in buffer order
+    world_size: int
+    shard_size: int
+    offsets: dict[str, int]
+    align: int = 1
+    order: str = "given"
+    _by_name: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Elements of real tensor data (no padding)."""
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def global_size(self) -> int:
+        return self.world_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        return self.global_size - self.numel
+
+    @property
+    def lower_bound(self) -> int:
+        """The smallest ``S`` any layout could have: ``ceil(numel / m)`` rounded up to ``align``."""
+        return _round_up(-(-self.numel // self.world_size), self.align)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    # -- per-tensor geometry ------------------------------------------------------------------
+    def global_range(self, name: str) -> tuple[int, int]:
+        """``[start, end)`` of the tensor in the global buffer."""
+        start = self.offsets[name]
+        return start, start + self._by_name[name].numel
+
+    def local_range(self, name: str, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s piece in the tensor's own flat elements (empty: ``start == end``)."""
+        lo, hi = self.global_range(name)
+        a = min(max(lo, rank * self.shard_size), hi)
+        b = max(min(hi, (rank + 1) * self.shard_size), a)
+        return a - lo, b - lo
+
+    def shard_range(self, name: str, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s piece inside that rank's shard ``[0, S)``."""
+        a, b = self.local_range(name, rank)
+        base = self.offsets[name] - rank * self.shard_size
+        if a == b:  # empty pieces sit at a clamped, valid offset
+            pos = min(max(base + a, 0), self.shard_size)
+            return pos, pos
+        return base + a, base + b
+
+    def placement(self, name: str) -> RaggedShard:
+        """The tensor's :class:`RaggedShard` in this layout (block counts per rank)."""
+        spec = self._by_name[name]
+        block = max(spec.block, 1)
+        units = []
+        for r in range(self.world_size):
+            a, b = self.local_range(name, r)
+            units.append((b - a) // block)
+        return RaggedShard(block, tuple(units))
+
+    def segments(self) -> list[tuple[str | None, int]]:
+        """The global buffer as consecutive ``(name, size)`` pieces; ``None`` names padding."""
+        out: list[tuple[str | None, int]] = []
+        cursor = 0
+        for s in sorted(self.specs, key=lambda s: (self.offsets[s.name], s.numel)):
+            start = self.offsets[s.name]
+            if start > cursor:
+                out.append((None, start - cursor))
+            out.append((s.name, s.numel))
+            cursor = start + s.numel
+        if self.global_size > cursor:
+            out.append((None, self.global_size - cursor))
+        return out
+
+    # -- checks -------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``AssertionError`` describing the first violated constraint."""
+        S, m, a = self.shard_size, self.world_size, self.align
+        assert S >= 0 and S % a == 0, f"shard size {S} is not a multiple of align={a}"
+        spans = sorted((self.offsets[s.name], self.offsets[s.name] + s.numel, s) for s in self.specs)
+        cursor = 0
+        for lo, hi, s in spans:
+            assert lo % a == 0, f"{s.name} starts at {lo}, not a multiple of align={a}"
+            assert lo >= cursor, f"{s.name} at [{lo}, {hi}) overlaps the previous tensor ending at {cursor}"
+            assert hi <= m * S, f"{s.name} ends at {hi}, past the buffer of {m} x {S}"
+            assert not _cut_blocks(lo, s.numel, s.block, S), f"{s.name} has a block cut by a rank boundary"
+            cursor = hi
+        assert sum(self.placement(s.name).numel for s in self.specs) == self.numel
+
+    def summary(self) -> str:
+        """One line: ranks, S, padding and its fraction."""
+        frac = self.padding / self.global_size if self.global_size else 0.0
+        return (
+            f"{len(self.specs)} tensors over {self.world_size} ranks: S={self.shard_size} "
+            f"(lower bound {self.lower_bound}), padding {self.padding} ({frac:.2%}), order={self.order}"
+        )
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def _cut_blocks(start: int, numel: int, block: int, shard_size: int) -> int:
+    """How many rank boundaries fall strictly inside ``[start, start+numel)`` off a block boundary."""
+    if numel == 0 or shard_size == 0:
+        return 0
+    first = start // shard_size + 1
+    last = (start + numel - 1) // shard_size
+    if block == 1 or first > last:
+        return 0
+    if shard_size % block == 0:  # every boundary has the same phase
+        return (last - first + 1) if (first * shard_size - start) % block else 0
+    return sum(1 for k in range(first, last + 1) if (k * shard_size - start) % block)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+# ---------------------------------------------------------------------------------------------
+
+
+def _earliest_start(cursor: int, numel: int, block: int, step: int, S: int, m: int) -> int | None:
+    """Smallest valid start >= cursor for a tensor of ``numel`` elements, or None if none fits.
+
+    ``step`` is lcm(block, align): a start that crosses boundary ``B`` must satisfy
+    ``start ≡ B (mod block)`` and ``start ≡ 0 (mod align)``; since ``B ≡ 0 (mod align)`` that is
+    ``start ≡ B (mod step)``.
+    """
+    end_of_buffer = m * S
+    if numel == 0:
+        return cursor if cursor <= end_of_buffer else None
+    whole_shards_ok = S % block == 0
+    if not whole_shards_ok and numel > 2 * S:
+        return None  # it would contain a whole shard, which needs S to be a multiple of its block
+    k = cursor // S
+    while k < m:
+        lo = max(cursor, k * S)
+        boundary = (k + 1) * S
+        if lo + numel <= boundary:
+            return lo
+        start = lo + (boundary - lo) % step
+        if start < boundary and (start + numel <= boundary + S or whole_shards_ok):
+            return start if start + numel <= end_of_buffer else None
+        k += 1
+    return None
+
+
+def _place(specs: Sequence[TensorSpec], S: int, m: int, align: int) -> dict[str, int] | None:
+    """Greedy earliest-valid-start placement of ``specs`` in order, or None when ``S`` is infeasible."""
+    if S <= 0:
+        return {s.name: 0 for s in specs} if all(s.numel == 0 for s in specs) else None
+    offsets, cursor = {}, 0
+    for s in specs:
+        start = _earliest_start(_round_up(cursor, align), s.numel, s.block, math.lcm(s.block, align), S, m)
+        if start is None:
+            return None
+        offsets[s.name] = start
+        cursor = start + s.numel
+    return offsets
+
+
+def _candidate_alignments(specs: Sequence[TensorSpec], align: int, limit: int) -> list[int]:
+    """Running LCMs of block sizes (ascending block; descending size), seeded with ``align``."""
+    found = {align}
+    for seq in (sorted({s.block for s in specs}), [s.block for s in sorted(specs, key=lambda s: -s.numel)]):
+        g = align
+        for b in seq:
+            g = math.lcm(g, b)
+            if g > limit:
+                break
+            found.add(g)
+    return sorted(found)
+
+
+def _smallest_shard(specs: Sequence[TensorSpec], m: int, align: int) -> tuple[int, dict[str, int]]:
+    """Smallest feasible ``S`` (and the offsets) for ``specs`` in the given order."""
+    total = sum(s.numel for s in specs)
+    steps = [math.lcm(s.block, align) for s in specs]
+    # Always feasible: S a multiple of every block and every start aligned to its own block.
+    lcm_all = math.lcm(align, *steps) if steps else align
+    trivial = lcm_all * max(1, -(-(total + sum(steps)) // (m * lcm_all)))
+    best_S, best_offsets = trivial, _place(specs, trivial, m, align)
+    assert best_offsets is not None, "the trivially feasible shard size failed; planner bug"
+    lower = _round_up(-(-total // m), align)
+    for g in _candidate_alignments(specs, align, best_S):
+        lo_k, hi_k = max(1, -(-lower // g)), best_S // g  # hi_k * g <= best_S
+        if lo_k > hi_k:
+            continue
+        hi_offsets = _place(specs, hi_k * g, m, align)
+        while hi_offsets is None:  # widen (rare: the multiple just below best_S failed)
+            hi_k = min(2 * hi_k, best_S // g + 1)
+            if hi_k * g >= best_S:
+                break
+            hi_offsets = _place(specs, hi_k * g, m, align)
+        if hi_offsets is None:
+            continue
+        while lo_k < hi_k:  # smallest feasible multiple of g, assuming monotone feasibility
+            mid = (lo_k + hi_k) // 2
+            offsets = _place(specs, mid * g, m, align)
+            if offsets is None:
+                lo_k = mid + 1
+            else:
+                hi_k, hi_offsets = mid, offsets
+        if hi_k * g < best_S:
+            best_S, best_offsets = hi_k * g, hi_offsets
+    return best_S, best_offsets
+
+
+_ORDERS = {
+    "given": lambda specs: list(specs),
+    "by_block": lambda specs: sorted(specs, key=lambda s: -s.block),
+    "by_size": lambda specs: sorted(specs, key=lambda s: -s.numel),
+    "by_block_ascending": lambda specs: sorted(specs, key=lambda s: s.block),
+    "by_size_ascending": lambda specs: sorted(specs, key=lambda s: s.numel),
+}
+
+
+def plan(specs: Iterable[TensorSpec], world_size: int, align: int = 8, orders: Sequence[str] = tuple(_ORDERS)) -> Layout:
+    """Pack ``specs`` into one buffer of ``world_size * S`` elements with the smallest ``S`` found.
+
+    Args:
+        specs: the tensors of one bucket, in first-use order (names must be unique).
+        world_size: ranks the buffer is sharded over (``m``).
+        align: tensor starts and ``S`` are multiples of this many elements (8 = 16 bytes of bf16).
+        orders: which tensor orders to try (``"given"``, ``"by_block"``, ``"by_size"``, and the
+            ``*_ascending`` variants; sorts are stable and descending by default); ties keep
+            the earlier order, so the given order wins unless another is strictly better.
+    """
+    specs = list(specs)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1 element, got {align}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"tensor names must be unique within a bucket; repeated: {dup}")
+    best: Layout | None = None
+    for order in orders:
+        ordered = _ORDERS[order](specs)
+        S, offsets = _smallest_shard(ordered, world_size, align)
+        if best is None or S < best.shard_size:
+            best = Layout(tuple(ordered), world_size, S, offsets, align, order)
+    assert best is not None, "plan() needs at least one order"
+    return best
+
+
+def plan_buckets(
+    specs: Iterable[TensorSpec],
+    world_size: int,
+    align: int = 8,
+    max_bucket_numel: int | None = None,
+    padding_tolerance: float = 0.001,
+) -> list[Layout]:
+    """Split one unit's tensors into buckets so that mixed block sizes do not inflate padding.
+
+    Rule: tensors with the same block size go together (in first-use order); each such group is
+    cut to at most ``max_bucket_numel`` elements. Groups are then merged back, in order, whenever
+    the merged bucket pads no more than the two separate buckets plus ``padding_tolerance`` of
+    the merged size, so buckets stay as large as the padding allows. If planning the whole unit
+    as one bucket pads no more than the grouped result, that single bucket is returned.
+    """
+    specs = list(specs)
+    if not specs:
+        return []
+    groups: dict[int, list[TensorSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.block, []).append(s)
+    pieces: list[list[TensorSpec]] = []
+    for group in groups.values():
+        pieces.extend(_chunk(group, max_bucket_numel))
+    buckets: list[Layout] = []
+    for piece in pieces:
+        layout = plan(piece, world_size, align)
+        if buckets and _fits(buckets[-1].numel + layout.numel, max_bucket_numel):
+            merged = plan(list(buckets[-1].specs) + piece, world_size, align)
+            if merged.padding <= buckets[-1].padding + layout.padding + padding_tolerance * merged.numel:
+                buckets[-1] = merged
+                continue
+        buckets.append(layout)
+    if len(buckets) > 1 and _fits(sum(s.numel for s in specs), max_bucket_numel):
+        whole = plan(specs, world_size, align)
+        if whole.padding <= sum(b.padding for b in buckets):
+            return [whole]
+    return buckets
+
+
+def _fits(numel: int, limit: int | None) -> bool:
+    return limit is None or numel <= limit
+
+
+def _chunk(group: list[TensorSpec], limit: int | None) -> list[list[TensorSpec]]:
+    out: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in group:
+        if out[-1] and not _fits(size + s.numel, limit):
+            out.append([])
+            size = 0
+        out[-1].append(s)
+        size += s.numel
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines, for comparison in benchmarks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaselineLayout:
+    """Size figures of a baseline sharding of one bucket."""
+
+    name: str
+    world_size: int
+    shard_size: int  # elements per rank (the largest rank, where ranks differ)
+    numel: int
+    blocks_cut: int  # rank boundaries that fall inside a block
+
+    @property
+    def padding(self) -> int:
+        return self.world_size * self.shard_size - self.numel
+
+
+def naive_concat(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> BaselineLayout:
+    """Concatenate in order, split evenly (``S = ceil(E / m)``): no padding between tensors, blocks cut freely."""
+    total = sum(s.numel for s in specs)
+    S = _round_up(-(-total // world_size), align)
+    cut, cursor = 0, 0
+    for s in specs:
+        cut += _cut_blocks(cursor, s.numel, s.block, S)
+        cursor += s.numel
+    return BaselineLayout("naive_concat", world_size, S, total, cut)
+
+
+def fsdp2_shard0(specs: Sequence[TensorSpec], world_size: int) -> BaselineLayout:
+    """FSDP2's per-parameter ``Shard(0)``: dim 0 padded to ``m * ceil(d0 / m)`` rows, per parameter."""
+    S, cut = 0, 0
+    for s in specs:
+        rows = s.numel // s.row if s.numel else 0
+        chunk_rows = -(-rows // world_size)
+        S += chunk_rows * s.row
+        if s.numel and chunk_rows:
+            cut += _cut_blocks(0, rows * s.row, s.block, chunk_rows * s.row)
+    return BaselineLayout("fsdp2_shard0", world_size, S, sum(s.numel for s in specs), cut)
+
+
+def rowwise_concat(specs: Sequence[TensorSpec], world_size: int, align: int = 8) -> BaselineLayout:
+    """Megatron-FSDP style: tensors in the given order, rank boundaries only on row boundaries.
+
+    Planned with each tensor's block set to its row (no permutation), so larger structure
+    (a block of many rows) may still be cut.
+    """
+    rows = [TensorSpec(s.name, s.numel, s.row if s.numel else 1, s.shape) for s in specs]
+    S, offsets = _smallest_shard(rows, world_size, align)
+    cut = sum(_cut_blocks(offsets[s.name], s.numel, s.block, S) for s in specs)
+    return BaselineLayout("rowwise_concat", world_size, S, sum(s.numel for s in specs), cut)
