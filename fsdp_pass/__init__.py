@@ -5,8 +5,24 @@
     model = torch.compile(model, backend="vescale", options={"mesh": mesh})
 """
 
+from . import backend as _backend  # registers the "vescale" backend
+from .explain import explain
+from .fully_shard import fully_shard
+from .passes.detect import set_block
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
+from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
 
-__all__ = ["Layout", "RaggedShard", "TensorSpec", "plan", "plan_buckets"]
+__all__ = [
+    "Layout",
+    "RaggedShard",
+    "RaggedShardTensor",
+    "TensorSpec",
+    "distribute_tensor",
+    "explain",
+    "fully_shard",
+    "plan",
+    "plan_buckets",
+    "set_block",
+]
 __version__ = "0.1.0"

@@ -207,7 +207,7 @@ def _earliest_start(cursor: int, numel: int, block: int, step: int, S: int, m: i
 
     ``step`` is lcm(block, align): a start that crosses boundary ``B`` must satisfy
     ``start ≡ B (mod block)`` and ``start ≡ 0 (mod align)``; since ``B ≡ 0 (mod align)`` that is
-    ``start ≡ B (mod step)``.
+    ``start ≡ B (mod step)``. (``_place`` inlines this; it is kept as the readable reference.)
     """
     end_of_buffer = m * S
     if numel == 0:
@@ -229,64 +229,162 @@ def _earliest_start(cursor: int, numel: int, block: int, step: int, S: int, m: i
 
 
 def _place(specs: Sequence[TensorSpec], S: int, m: int, align: int) -> dict[str, int] | None:
-    """Greedy earliest-valid-start placement of ``specs`` in order, or None when ``S`` is infeasible."""
+    """Greedy earliest-valid-start placement of ``specs`` in order, or None when ``S`` is infeasible.
+
+    For a fixed order and ``S`` this is exact: a tensor's constraints depend only on its own start,
+    and the earliest start leaves the most room for everything after it.
+    """
     if S <= 0:
         return {s.name: 0 for s in specs} if all(s.numel == 0 for s in specs) else None
-    offsets, cursor = {}, 0
+    end_of_buffer = m * S
+    offsets: dict[str, int] = {}
+    cursor = 0
     for s in specs:
-        start = _earliest_start(_round_up(cursor, align), s.numel, s.block, math.lcm(s.block, align), S, m)
-        if start is None:
+        numel, block = s.numel, s.block
+        cursor = -(-cursor // align) * align
+        if numel == 0:
+            if cursor > end_of_buffer:
+                return None
+            offsets[s.name] = cursor
+            continue
+        boundary = (cursor // S + 1) * S
+        if cursor + numel <= boundary:  # fits in the current shard (the common case)
+            start = cursor
+        else:
+            whole_shards_ok = S % block == 0
+            if not whole_shards_ok and numel > 2 * S:
+                return None
+            step = block if align == 1 else math.lcm(block, align)
+            lo = cursor
+            while True:
+                start = lo + (boundary - lo) % step
+                if start < boundary and (start + numel <= boundary + S or whole_shards_ok):
+                    break
+                lo, boundary = boundary, boundary + S  # try the next shard
+                if lo + numel <= boundary:
+                    start = lo
+                    break
+                if boundary > end_of_buffer:
+                    return None
+        if start + numel > end_of_buffer:
             return None
         offsets[s.name] = start
-        cursor = start + s.numel
+        cursor = start + numel
     return offsets
 
 
-def _candidate_alignments(specs: Sequence[TensorSpec], align: int, limit: int) -> list[int]:
-    """Running LCMs of block sizes (ascending block; descending size), seeded with ``align``."""
-    found = {align}
-    for seq in (sorted({s.block for s in specs}), [s.block for s in sorted(specs, key=lambda s: -s.numel)]):
-        g = align
-        for b in seq:
-            g = math.lcm(g, b)
-            if g > limit:
-                break
-            found.add(g)
+_MAX_CANDIDATES = 256
+
+
+def _candidate_alignments(specs: Sequence[TensorSpec], align: int, lower: int, limit: int) -> list[int]:
+    """Values ``S < limit`` may have to be a multiple of, ascending.
+
+    A tensor that contains a whole shard (two rank boundaries strictly inside it) forces ``S`` to be
+    a multiple of its block; such a tensor has more than ``S >= lower`` elements, and one with more
+    than ``2 * S`` elements always does. So every feasible ``S < limit`` is a multiple of
+    ``lcm(align, blocks of the tensors above 2 * (limit - 1) elements, blocks of some subset of the
+    other tensors above lower)``: the candidates are that LCM closure, pruned at ``limit``. Should
+    the closure grow past ``_MAX_CANDIDATES`` (many distinct, mutually prime blocks), the running
+    LCMs of the blocks (ascending block; descending tensor size) are added as well.
+    """
+    forced = align
+    optional = set()
+    for s in specs:
+        if s.numel > 2 * (limit - 1):
+            forced = math.lcm(forced, s.block)
+        elif s.numel > lower:
+            optional.add(math.lcm(s.block, align))
+    if forced >= limit:
+        return []
+    found = {forced}
+    complete = True
+    for step in sorted(optional):
+        found |= {g for g in (math.lcm(f, step) for f in found) if g < limit}
+        if len(found) > _MAX_CANDIDATES:
+            found = set(sorted(found)[:_MAX_CANDIDATES])
+            complete = False
+    if not complete:
+        for seq in (sorted({s.block for s in specs}), [s.block for s in sorted(specs, key=lambda s: -s.numel)]):
+            g = forced
+            for b in seq:
+                g = math.lcm(g, b)
+                if g >= limit:
+                    break
+                found.add(g)
     return sorted(found)
 
 
-def _smallest_shard(specs: Sequence[TensorSpec], m: int, align: int) -> tuple[int, dict[str, int]]:
-    """Smallest feasible ``S`` (and the offsets) for ``specs`` in the given order."""
-    total = sum(s.numel for s in specs)
+def _trivial_shard(specs: Sequence[TensorSpec], m: int, align: int) -> int:
+    """A shard size that is always feasible: a multiple of every block, with room to align each start."""
     steps = [math.lcm(s.block, align) for s in specs]
-    # Always feasible: S a multiple of every block and every start aligned to its own block.
     lcm_all = math.lcm(align, *steps) if steps else align
-    trivial = lcm_all * max(1, -(-(total + sum(steps)) // (m * lcm_all)))
-    best_S, best_offsets = trivial, _place(specs, trivial, m, align)
-    assert best_offsets is not None, "the trivially feasible shard size failed; planner bug"
-    lower = _round_up(-(-total // m), align)
-    for g in _candidate_alignments(specs, align, best_S):
-        lo_k, hi_k = max(1, -(-lower // g)), best_S // g  # hi_k * g <= best_S
-        if lo_k > hi_k:
-            continue
-        hi_offsets = _place(specs, hi_k * g, m, align)
-        while hi_offsets is None:  # widen (rare: the multiple just below best_S failed)
-            hi_k = min(2 * hi_k, best_S // g + 1)
-            if hi_k * g >= best_S:
-                break
-            hi_offsets = _place(specs, hi_k * g, m, align)
-        if hi_offsets is None:
-            continue
-        while lo_k < hi_k:  # smallest feasible multiple of g, assuming monotone feasibility
-            mid = (lo_k + hi_k) // 2
-            offsets = _place(specs, mid * g, m, align)
-            if offsets is None:
-                lo_k = mid + 1
-            else:
-                hi_k, hi_offsets = mid, offsets
-        if hi_k * g < best_S:
-            best_S, best_offsets = hi_k * g, hi_offsets
-    return best_S, best_offsets
+    total = sum(s.numel for s in specs)
+    return lcm_all * max(1, -(-(total + sum(steps)) // (m * lcm_all)))
+
+
+def _smallest_multiple(specs: Sequence[TensorSpec], m: int, align: int, g: int, lower: int, below: int):
+    """Smallest feasible multiple of ``g`` that is ``>= lower`` and ``< below``, with its offsets, or None.
+
+    Galloping search up from the lower bound, then bisection: exact when feasibility is monotone
+    over multiples of ``g`` (true when ``g`` is a multiple of the blocks of every tensor that
+    contains a whole shard in the optimum), and always returns a feasible ``S`` when it returns one.
+    """
+    lo_k, hi_k = max(1, -(-lower // g)), (below - 1) // g
+    if lo_k > hi_k:
+        return None
+    # Tensors that cannot fit in two shards must have S a multiple of their block: a cheap pre-check.
+    large = [(s.numel, s.block) for s in specs if s.numel > 2 * lo_k * g and (g % s.block)]
+
+    def place(k: int):
+        S = k * g
+        if any(numel > 2 * S and S % block for numel, block in large):
+            return None
+        return _place(specs, S, m, align)
+
+    bad, k, jump = lo_k - 1, lo_k, 1
+    while True:
+        offsets = place(k)
+        if offsets is not None:
+            break
+        bad = k
+        if k == hi_k:
+            return None
+        k, jump = min(k + jump, hi_k), jump * 2
+    good = k
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        trial = place(mid)
+        if trial is None:
+            bad = mid
+        else:
+            good, offsets = mid, trial
+    return good * g, offsets
+
+
+def _smallest_shard(
+    specs: Sequence[TensorSpec], m: int, align: int, below: int | None = None
+) -> tuple[int, dict[str, int]] | None:
+    """Smallest feasible ``S`` (and the offsets) for ``specs`` in the given order.
+
+    With ``below``, only an ``S < below`` is of interest: returns None when there is none.
+    """
+    total = sum(s.numel for s in specs)
+    lower = max(_round_up(-(-total // m), align), align)
+    if below is None:
+        best_S = _trivial_shard(specs, m, align)
+        best_offsets = _place(specs, best_S, m, align)
+        assert best_offsets is not None, "the trivially feasible shard size failed; planner bug"
+        best: tuple[int, dict[str, int]] | None = (best_S, best_offsets)
+    else:
+        best_S, best = below, None
+    for g in _candidate_alignments(specs, align, lower, best_S):
+        if best_S <= lower or g >= best_S:
+            break
+        found = _smallest_multiple(specs, m, align, g, lower, best_S)
+        if found is not None:
+            best = found
+            best_S = found[0]
+    return best
 
 
 _ORDERS = {
@@ -308,23 +406,38 @@ def plan(specs: Iterable[TensorSpec], world_size: int, align: int = 8, orders: S
         orders: which tensor orders to try (``"given"``, ``"by_block"``, ``"by_size"``, and the
             ``*_ascending`` variants; sorts are stable and descending by default); ties keep
             the earlier order, so the given order wins unless another is strictly better.
+
+    For each order the smallest feasible ``S`` *for that order* is found exactly (see
+    :func:`_candidate_alignments`); the search stops early once ``S`` reaches the lower bound.
+    ``S`` is at least ``align``, even for a bucket of empty tensors.
     """
     specs = list(specs)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1:
         raise ValueError(f"align must be >= 1 element, got {align}")
+    unknown = [o for o in orders if o not in _ORDERS]
+    if unknown or not orders:
+        raise ValueError(f"unknown tensor orders {unknown}; choose from {list(_ORDERS)}")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"tensor names must be unique within a bucket; repeated: {dup}")
+    lower = max(_round_up(-(-sum(s.numel for s in specs) // world_size), align), align)
     best: Layout | None = None
+    tried: set[tuple[str, ...]] = set()
     for order in orders:
         ordered = _ORDERS[order](specs)
-        S, offsets = _smallest_shard(ordered, world_size, align)
-        if best is None or S < best.shard_size:
-            best = Layout(tuple(ordered), world_size, S, offsets, align, order)
-    assert best is not None, "plan() needs at least one order"
+        key = tuple(s.name for s in ordered)
+        if key in tried:  # the same sequence as an earlier order: same answer
+            continue
+        tried.add(key)
+        found = _smallest_shard(ordered, world_size, align, None if best is None else best.shard_size)
+        if found is not None:
+            best = Layout(tuple(ordered), world_size, found[0], found[1], align, order)
+        if best.shard_size <= lower:
+            break
+    assert best is not None
     return best
 
 

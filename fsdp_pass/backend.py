@@ -1,0 +1,129 @@
+"""The ``"vescale"`` torch.compile backend: run the passes, then Inductor or aot_eager.
+
+    Dynamo graph ─ detect ─ shard ─ rewrite ─ aot_autograd(joint: schedule) ─ Inductor / aot_eager
+
+Sharding happens inside the first backend call: Dynamo builds its guards after the backend returns,
+from the live (now sharded) parameters, so the first compile is already the one for sharded
+parameters and no recompile follows. The compiled function takes the buckets' shards instead of the
+parameters; the shards are autograd leaves whose gradients (reduce-scattered in the graph) become the
+parameters' RaggedShard ``.grad`` views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo import register_backend
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from . import log
+from .options import Options
+from .passes.detect import block_sizes, find_parameters
+from .passes.rewrite import copy_dynamo_graph, rewrite_parameters
+from .passes.schedule import tag_reshard_after_forward
+from .passes.shard import assign_buckets
+from .runtime.dbuffer import DBuffer
+from .runtime.mesh import resolve_mesh
+from .runtime.sharding import ShardingConfig
+
+__all__ = ["CompiledGraph", "vescale"]
+
+
+@dataclass
+class CompiledGraph:
+    """What one backend call produced; ``explain()`` reads these."""
+
+    options: Options
+    buffers: list[DBuffer]
+    graphs: dict[str, str] = field(default_factory=dict)  # stage name → readable graph
+
+
+# Every backend call of this process, for explain().
+_records: list[CompiledGraph] = []
+
+
+def records() -> list[CompiledGraph]:
+    """Every graph the backend compiled in this process, oldest first."""
+    return list(_records)
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def _capture(record: CompiledGraph, stage: str | None = None, compiler: Callable | None = None) -> Callable:
+    """A graph compiler that records the graph it is given, then runs ``compiler`` (default: as is)."""
+
+    def compile_stage(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
+        name = stage or ("backward" if kwargs.get("is_backward") else
+                         "inference" if kwargs.get("is_inference") else "forward")
+        record.graphs[name] = _readable(gm)
+        log.graph(name, record.graphs[name])
+        if compiler is not None:
+            return compiler(gm, example_inputs, **kwargs)
+        return make_boxed_func(gm.forward)
+
+    return compile_stage
+
+
+def _compile(gm: fx.GraphModule, inputs: list, opts: Options, record: CompiledGraph) -> Callable:
+    joint_pass = tag_reshard_after_forward if opts.reshard_after_forward else None
+    patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
+    with patch:
+        if opts.compiler == "aot_eager":
+            backend = aot_autograd(
+                fw_compiler=_capture(record, "forward"),
+                bw_compiler=_capture(record, "backward"),
+                inference_compiler=_capture(record, "inference"),
+            )
+            return backend(gm, inputs)
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        return compile_fx(gm, inputs, inner_compile=_capture(record, compiler=compile_fx_inner))
+
+
+@register_backend
+def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
+    """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it."""
+    opts = Options.from_dict(options)
+    sites = find_parameters(gm, example_inputs)
+    record = CompiledGraph(opts, [])
+    record.graphs["dynamo"] = _readable(gm)
+    if not sites:
+        _records.append(record)
+        return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
+
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim)
+    blocks = block_sizes(sites, opts.block_sizes)
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype)
+    buckets, new = assign_buckets(sites, blocks, mesh, config)
+    for buf in new:
+        log.plan(buf)
+
+    rewritten = rewrite_parameters(copy_dynamo_graph(gm), sites, buckets, opts.param_dtype, opts.reduce_dtype)
+    record.buffers = rewritten.buffers
+    record.graphs["rewritten"] = _readable(rewritten.gm)
+    log.graph("rewritten", record.graphs["rewritten"])
+
+    fake_mode = torch._guards.TracingContext.get().fake_mode
+    dropped = set(rewritten.dropped)
+    shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
+    rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
+    compiled = _compile(rewritten.gm, shard_fakes + rest, opts, record)
+    _records.append(record)
+
+    shards = [b.shard for b in rewritten.buffers]
+    buffers = rewritten.buffers
+
+    def run(*args):
+        for b in buffers:
+            b.sync_grad_state()
+        return compiled(*shards, *(a for i, a in enumerate(args) if i not in dropped))
+
+    run._fsdp_pass_record = record  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,77 @@
+"""``explain(model)``: the plan and the graphs of a model compiled with the vescale backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .backend import records
+from .runtime.dbuffer import DBuffer
+from .runtime.sharding import bucket_of, is_sharded
+
+__all__ = ["Explanation", "explain"]
+
+
+@dataclass
+class Explanation:
+    """The buckets of a sharded model and the graphs the backend produced for it."""
+
+    buffers: list[DBuffer]
+    graphs: list[dict[str, str]] = field(default_factory=list)  # one dict per compiled graph: stage → code
+
+    def bytes_per_rank(self) -> dict[str, int]:
+        """Parameter and gradient bytes each rank holds (padding included)."""
+        params = sum(b.layout.shard_size * b.dtype.itemsize for b in self.buffers)
+        grads = sum(b.layout.shard_size * b.dtype.itemsize for b in self.buffers if b.shard.requires_grad)
+        return {"params": params, "grads": grads}
+
+    def plan_text(self) -> str:
+        lines = []
+        for b in self.buffers:
+            m = b.mesh
+            lines.append(
+                f"bucket {b.index}: {len(b.names)} params, dtype {b.dtype}, S={b.layout.shard_size} x "
+                f"{m.shard_size} ranks (replicated x{m.replicate_size}), padding {b.layout.padding} "
+                f"({b.layout.padding / max(b.layout.global_size, 1):.2%})"
+            )
+            for name in b.names:
+                lo, hi = b.layout.global_range(name)
+                lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {b.placement(name)}")
+        per_rank = self.bytes_per_rank()
+        lines.append(f"per rank: parameters {per_rank['params']} B, gradients {per_rank['grads']} B")
+        lines.append(
+            f"collectives per step: forward all_gather x{len(self.buffers)}, backward reduce_scatter "
+            f"x{sum(b.shard.requires_grad for b in self.buffers)} (plus backward all_gathers when resharding)"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [self.plan_text()]
+        for i, graphs in enumerate(self.graphs):
+            for stage, code in graphs.items():
+                parts.append(f"===== graph {i}: {stage} =====\n{code}")
+        return "\n".join(parts)
+
+
+def explain(model: nn.Module, print_output: bool = True) -> Explanation:
+    """Describe the plan (buckets, offsets, placements, padding, bytes per rank, collectives) and graphs."""
+    module = getattr(model, "_orig_mod", model)
+    buffers: dict[int, DBuffer] = {}
+    for p in module.parameters():
+        if is_sharded(p):
+            buf, _ = bucket_of(p)
+            buffers.setdefault(id(buf), buf)
+    if not buffers:
+        raise ValueError(
+            "explain() found no sharded parameters; compile the model with torch.compile(model, "
+            "backend='vescale') and run it once (or call fsdp_pass.fully_shard) first"
+        )
+    ids = set(buffers)
+    graphs = [r.graphs for r in records() if any(id(b) in ids for b in r.buffers)]
+    result = Explanation(sorted(buffers.values(), key=lambda b: b.index), graphs)
+    if print_output:
+        print(result)
+    return result
+
+

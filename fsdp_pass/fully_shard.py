@@ -1,0 +1,46 @@
+"""``fully_shard``: shard a module's parameters eagerly, before (or instead of) the first compile."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .passes.detect import block_size
+from .runtime.mesh import resolve_mesh
+from .runtime.sharding import ShardingConfig, shard_parameters
+
+__all__ = ["fully_shard"]
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    shard_dim: int | None = None,
+    bucket_size: int | None = None,
+    block_sizes: Mapping[str, Any] | None = None,
+    align_bytes: int = 16,
+) -> nn.Module:
+    """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
+
+    Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
+    elements). Parameter objects keep their identity, so optimizers built earlier keep working;
+    buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
+    Calling it again is a no-op. Run the module through ``torch.compile(module, backend="vescale")``:
+    eager calls on sharded parameters raise an error that says so.
+
+    Args:
+        module: the model.
+        mesh: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) DeviceMesh; default all ranks.
+        shard_dim: the sharding dim of a 2-D mesh (default: the last).
+        bucket_size: most elements in one bucket.
+        block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
+        align_bytes: alignment of tensor starts and shard sizes.
+    """
+    sharding_mesh = resolve_mesh(mesh, shard_dim)
+    named = list(module.named_parameters(remove_duplicate=True))
+    blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes), blocks)
+    return module

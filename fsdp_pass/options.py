@@ -1,0 +1,73 @@
+"""The ``options`` dict of ``torch.compile(model, backend="vescale", options={...})``, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["Options"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option the backend accepts (all optional).
+
+    Attributes:
+        mesh: a 1-D DeviceMesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP); default: all ranks.
+        shard_dim: which dim of a 2-D mesh shards (default: the last).
+        compiler: ``"inductor"`` (default) or ``"aot_eager"`` (debugging) after the passes.
+        reshard_after_forward: free gathered parameters after forward and gather again in backward
+            (default True, ZeRO-3 memory); False keeps them (less communication, more memory).
+        mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
+            or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+        bucket_size: most elements in one communication bucket (default: one bucket per module unit,
+            such as ``layers.3``, split only where block sizes differ).
+        block_sizes: ``{fnmatch pattern on parameter names: rows}`` (or ``{"elements": n}``): blocks
+            that no rank boundary may cut.
+        align_bytes: tensor starts and shard sizes are multiples of this many bytes (default 16).
+    """
+
+    mesh: Any = None
+    shard_dim: int | None = None
+    compiler: str = "inductor"
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    bucket_size: int | None = None
+    block_sizes: Mapping[str, Any] = field(default_factory=dict)
+    align_bytes: int = 16
+
+    _NAMES = ("mesh", "shard_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
+              "block_sizes", "align_bytes")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls._NAMES))
+        if unknown:
+            raise ValueError(
+                f"unknown fsdp_pass option(s) {unknown}; valid options are {sorted(cls._NAMES)}"
+            )
+        mp = options.pop("mp_policy", None)
+        if mp is not None:
+            get = mp.get if isinstance(mp, Mapping) else lambda k, d=None: getattr(mp, k, d)
+            extra = set(mp) - {"param_dtype", "reduce_dtype"} if isinstance(mp, Mapping) else set()
+            if extra:
+                raise ValueError(f"unknown mp_policy key(s) {sorted(extra)}; use param_dtype and reduce_dtype")
+            options["param_dtype"] = get("param_dtype", None)
+            options["reduce_dtype"] = get("reduce_dtype", None)
+        made = cls(**options)
+        if made.compiler not in ("inductor", "aot_eager"):
+            raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(made, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"mp_policy {name} must be a floating torch.dtype, got {dtype!r}")
+        if made.bucket_size is not None and made.bucket_size < 1:
+            raise ValueError(f"options['bucket_size'] must be a positive element count, got {made.bucket_size}")
+        return made
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,151 @@
+"""Pass 1: find the parameters in a Dynamo graph and the block structure each one needs.
+
+Dynamo lifts module parameters to graph placeholders, in first-use order; the backend's example
+inputs at those positions are the real ``nn.Parameter`` objects, and each placeholder carries its
+source (``L['self']._modules['layers']._modules['0']._parameters['weight']``), which gives the
+fully qualified name.
+
+A parameter's *block* (elements that no rank boundary may cut) is the LCM of what four sources ask:
+
+* an annotation on the parameter (:func:`set_block`);
+* ``options["block_sizes"]``: ``{fnmatch pattern on the FQN: rows}`` or ``{pattern: {"elements": n}}``;
+* a reshape that splits dim 0 into ``(blocks, b, ...)`` (block-wise quantization) → ``b`` rows;
+* ``split``/``chunk``/``unbind`` of the parameter along dim 0 (fused QKV, fused experts) → each piece
+  starts on a block boundary: the GCD of the piece sizes, in rows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+__all__ = ["ParamSite", "block_size", "block_sizes", "find_parameters", "set_block"]
+
+_BLOCK_ATTR = "_fsdp_pass_block"
+
+
+@dataclass
+class ParamSite:
+    """One parameter placeholder of the graph."""
+
+    index: int  # position among the graph's placeholders / example inputs
+    node: fx.Node
+    name: str  # fully qualified name, from the Dynamo source
+    param: nn.Parameter
+
+
+def set_block(param: nn.Parameter, *, rows: int | None = None, elements: int | None = None) -> nn.Parameter:
+    """Annotate ``param`` so no rank boundary cuts a block of ``rows`` rows (or ``elements`` elements)."""
+    if (rows is None) == (elements is None):
+        raise ValueError("set_block needs exactly one of rows= or elements=")
+    row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
+    block = elements if elements is not None else rows * row
+    if block < 1 or param.numel() % block:
+        raise ValueError(
+            f"block of {block} elements does not divide parameter of shape {tuple(param.shape)}; "
+            f"choose rows dividing {param.shape[0] if param.dim() else 1} or elements dividing {param.numel()}"
+        )
+    setattr(param, _BLOCK_ATTR, math.lcm(getattr(param, _BLOCK_ATTR, 1), block))
+    return param
+
+
+_SOURCE_PART = re.compile(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)")
+
+
+def _qualified_name(node: fx.Node) -> str:
+    source = getattr(node, "_dynamo_source", None)
+    if source is None and "grapharg" in node.meta:
+        source = node.meta["grapharg"].source
+    name = getattr(source, "name", None)
+    text = (name() if callable(name) else name) if name is not None else node.name
+    text = re.sub(r"^L\['[^']+'\]", "", text)  # drop the root (L['self'], L['fn'], ...)
+    parts = [a or b for a, b in _SOURCE_PART.findall(text)]
+    return ".".join(parts) if parts else node.name
+
+
+def find_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[ParamSite]:
+    """Parameter placeholders in graph order (= first use), with their FQNs and objects."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sites = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, nn.Parameter):
+            sites.append(ParamSite(i, node, _qualified_name(node), value))
+    return sites
+
+
+def block_sizes(sites: Sequence[ParamSite], options_blocks: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Block size in elements for every parameter site (1 = element-wise, no structure found)."""
+    return {s.name: block_size(s.name, s.param, options_blocks, s.node) for s in sites}
+
+
+def block_size(
+    name: str, param: torch.Tensor, options_blocks: Mapping[str, Any] | None = None, node: fx.Node | None = None
+) -> int:
+    """The LCM of the blocks the annotation, the options and (given a graph node) the graph ask for."""
+    shape = tuple(param.shape)
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    block = getattr(param, _BLOCK_ATTR, 1)
+    for pattern, value in (options_blocks or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            block = math.lcm(block, _override_elements(name, shape, row, value))
+    for rows in _graph_block_rows(node, shape) if node is not None else ():
+        block = math.lcm(block, rows * row)
+    if param.numel() and param.numel() % block:
+        raise ValueError(
+            f"parameter {name!r} of shape {shape}: its block structures combine to {block} elements, "
+            f"which does not divide its {param.numel()} elements; fix options['block_sizes'] or the annotation"
+        )
+    return block
+
+
+def _override_elements(name: str, shape: tuple[int, ...], row: int, value: Any) -> int:
+    if isinstance(value, Mapping) and set(value) == {"elements"}:
+        return int(value["elements"])
+    if isinstance(value, Mapping) and set(value) == {"rows"}:
+        return int(value["rows"]) * row
+    if isinstance(value, int):
+        return value * row
+    raise ValueError(
+        f"options['block_sizes'] entry for {name!r} is {value!r}; give rows as an int, "
+        f"{{'rows': n}} or {{'elements': n}}"
+    )
+
+
+def _shape_of(node: fx.Node) -> tuple[int, ...] | None:
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        try:
+            return tuple(int(s) for s in value.shape)
+        except TypeError:  # symbolic sizes
+            return None
+    return None
+
+
+def _graph_block_rows(node: fx.Node, shape: tuple[int, ...]) -> list[int]:
+    """Row blocks implied by how the graph uses this parameter (see the module docstring)."""
+    if not shape:
+        return []
+    rows = shape[0]
+    found = []
+    for user in node.users:
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        if name in ("view", "reshape"):
+            out = _shape_of(user)
+            # dim 0 split into (n, b, ...) with n * b == rows: blocks of b rows
+            if out and len(out) > len(shape) and out[0] * out[1] == rows and math.prod(out[2:]) == math.prod(shape[1:]):
+                found.append(out[1])
+        elif name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):
+            dim = user.kwargs.get("dim", user.args[2] if len(user.args) > 2 else 0)
+            value = user.meta.get("example_value")
+            if dim in (0, -len(shape)) and isinstance(value, (list, tuple)):
+                sizes = [1 if name == "unbind" else int(v.shape[0]) for v in value]
+                if sizes:
+                    found.append(math.gcd(*sizes))
+    return found

@@ -1,0 +1,94 @@
+"""Pass 3: replace parameter placeholders by views of their gathered bucket.
+
+For each bucket the graph uses, one new placeholder (the bucket's flat shard) and, right before the
+first use of any of its parameters::
+
+    shard ─ gather_bucket ─ split_with_sizes ─ getitem ─ view(shape)   (one view per parameter)
+
+``gather_bucket`` all-gathers in forward and reduce-scatters in backward (runtime/dbuffer.py); the
+views are zero-copy because every parameter is a contiguous slice of the gathered buffer. The
+parameter placeholders are removed: the compiled function takes the shards instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..runtime.dbuffer import DBuffer, gather_bucket
+from .detect import ParamSite
+
+__all__ = ["Rewritten", "copy_dynamo_graph", "rewrite_parameters"]
+
+
+@dataclass
+class Rewritten:
+    gm: fx.GraphModule
+    buffers: list[DBuffer]  # one new leading input per bucket, in this order
+    dropped: list[int]  # positions of the original inputs that were parameters
+
+
+def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph that keeps what aot_autograd reads (Dynamo still owns the original)."""
+    graph = copy.deepcopy(gm.graph)
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for old_node, new_node in zip(gm.graph.nodes, graph.nodes):
+        if old_node.op == "placeholder":
+            new_node._dynamo_source = getattr(old_node, "_dynamo_source", None)
+    return new
+
+
+def rewrite_parameters(
+    gm: fx.GraphModule,
+    sites: Sequence[ParamSite],
+    buckets: dict[str, tuple[DBuffer, str]],
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> Rewritten:
+    """Rewrite ``gm`` (a copy, see :func:`copy_dynamo_graph`) in place; ``buckets`` maps FQN → (DBuffer, name)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = list(graph.find_nodes(op="placeholder"))
+
+    used: dict[int, list[ParamSite]] = {}
+    buffers: dict[int, DBuffer] = {}
+    for site in sites:
+        buf, _ = buckets[site.name]
+        used.setdefault(id(buf), []).append(site)
+        buffers[id(buf)] = buf
+
+    first_input = placeholders[0]
+    new_inputs: list[DBuffer] = []
+    for key, members in used.items():
+        buf = buffers[key]
+        users = [u for s in members for u in placeholders[s.index].users]
+        if not users:  # parameters the graph never reads: nothing to gather
+            continue
+        with graph.inserting_before(first_input):
+            shard = graph.placeholder(f"bucket{buf.index}_shard")
+        shard._dynamo_source = None
+        shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+        new_inputs.append(buf)
+        config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype)
+        with graph.inserting_before(min(users, key=order.__getitem__)):
+            full = graph.call_function(gather_bucket, (shard, config))
+            pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))
+            index_of = {name: i for i, (name, _) in enumerate(buf.layout.segments()) if name is not None}
+            for site in members:
+                _, name = buckets[site.name]
+                piece = graph.call_function(operator.getitem, (pieces, index_of[name]))
+                view = graph.call_function(torch.ops.aten.view.default, (piece, list(buf.shapes[name])))
+                placeholders[site.index].replace_all_uses_with(view)
+    for site in sites:
+        graph.erase_node(placeholders[site.index])
+    graph.lint()
+    gm.recompile()
+    return Rewritten(gm, new_inputs, [s.index for s in sites])

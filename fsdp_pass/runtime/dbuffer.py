@@ -1,0 +1,177 @@
+"""DBuffer: the flat, persistent buffers behind one bucket of parameters.
+
+Rank ``r`` owns ``[r*S, (r+1)*S)`` of the bucket's global buffer, and every parameter is one
+contiguous slice of that global buffer (the planner's layout). So:
+
+* the all-gather output *is* the unsharded parameter set: each parameter is a view of it (no
+  copy-out), and the local shard is exactly this rank's slice of it (no copy-in);
+* the reduce-scatter input is the gradient set in the same layout, and its output is the gradient
+  shard; each parameter's ``.grad`` is a RaggedShard view of that one shard;
+* whole-bucket operations (``zero_``, ``mul_``, ``add_``, ``copy_``) are one kernel on the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..planner import Layout
+from .mesh import ShardingMesh
+from .ragged_tensor import RaggedShardTensor
+
+__all__ = ["DBuffer", "gather_bucket"]
+
+_c10d = torch.ops._c10d_functional
+
+
+class DBuffer:
+    """The flat shard of one bucket and the address map of its parameters.
+
+    Args:
+        layout: the planner's layout of the bucket (names are parameter FQNs).
+        shapes: global shape of every parameter, by name.
+        mesh: the ranks the bucket is sharded over (HSDP: sharded over one dim, replicated over the other).
+        dtype, device: of the master shard (one DBuffer per dtype).
+        requires_grad: whether the shard collects gradients (False for frozen parameters).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shapes: dict[str, torch.Size],
+        mesh: ShardingMesh,
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: bool = True,
+        index: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.shapes = {n: torch.Size(shapes[n]) for n in layout.names}
+        self.mesh = mesh
+        self.index = index
+        # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
+        # and parameters' .grad are views of it.
+        self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
+        self.params: dict[str, nn.Parameter] = {}
+
+    # -- geometry ------------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return self.layout.names
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.shard_rank
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    def placement(self, name: str):
+        return self.layout.placement(name)
+
+    def local_piece(self, name: str, source: torch.Tensor | None = None) -> torch.Tensor:
+        """``name``'s piece as a 1-D view of ``source`` (default: the master shard)."""
+        a, b = self.layout.shard_range(name, self.rank)
+        base = self.shard.detach() if source is None else source
+        return base[a:b]
+
+    def segment_sizes(self) -> list[int]:
+        return [size for _, size in self.layout.segments()]
+
+    def views(self, global_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every parameter as a view of the gathered global buffer (no copies)."""
+        pieces = torch.split(global_buffer, self.segment_sizes())
+        out = {}
+        for (name, _), piece in zip(self.layout.segments(), pieces):
+            if name is not None:
+                out[name] = piece.view(self.shapes[name])
+        return out
+
+    # -- filling and wrapping ------------------------------------------------------------------
+    @torch.no_grad()
+    def load_full(self, name: str, full: torch.Tensor) -> None:
+        """Copy this rank's piece of the full tensor ``full`` into the shard."""
+        a, b = self.layout.local_range(name, self.rank)
+        self.local_piece(name).copy_(full.detach().reshape(-1)[a:b])
+
+    def ragged(self, name: str, local: torch.Tensor, requires_grad: bool = False) -> RaggedShardTensor:
+        """Wrap a 1-D local piece of parameter ``name`` as a RaggedShardTensor."""
+        return RaggedShardTensor.from_local(
+            local, self.mesh.mesh, self.placement(name), self.shapes[name],
+            mesh_dim=self.mesh.shard_dim, requires_grad=requires_grad,
+        )
+
+    def attach_grads(self) -> None:
+        """Point every trainable parameter's ``.grad`` at its view of the gradient shard."""
+        grad = self.shard.grad
+        if grad is None:
+            return
+        for name, p in self.params.items():
+            if p.requires_grad:
+                existing = p.grad
+                if existing is None or existing._local.data_ptr() != self.local_piece(name, grad).data_ptr():
+                    p.grad = self.ragged(name, self.local_piece(name, grad))
+
+    def sync_grad_state(self) -> None:
+        """Drop the gradient shard when the user cleared every parameter's ``.grad`` (``zero_grad``)."""
+        if self.shard.grad is not None and all(p.grad is None for p in self.params.values()):
+            self.shard.grad = None
+
+    # -- whole-bucket operations ---------------------------------------------------------------
+    @torch.no_grad()
+    def zero_grad_(self) -> None:
+        if self.shard.grad is not None:
+            self.shard.grad.zero_()
+
+    @torch.no_grad()
+    def scale_grad_(self, factor: float) -> None:
+        if self.shard.grad is not None:
+            self.shard.grad.mul_(factor)
+
+    # -- eager collectives ----------------------------------------------------------------------
+    def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
+        return gather_bucket(self.shard.detach(), self.config(dtype or self.dtype, self.dtype))
+
+    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> tuple:
+        """The static arguments of :func:`gather_bucket` for this bucket (graph constants)."""
+        m = self.mesh
+        shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
+        rep = m.replicate_dim
+        rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
+        return (param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group)
+
+    def __repr__(self) -> str:
+        return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
+
+
+class _GatherBucket(torch.autograd.Function):
+    """AllGather the bucket shard (forward); ReduceScatter (+ AllReduce for HSDP) its gradient (backward)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, config: tuple) -> torch.Tensor:
+        param_dtype, reduce_dtype, shard_world, shard_group, rep_world, rep_group = config
+        ctx.config, ctx.master_dtype = config, shard.dtype
+        x = shard.to(param_dtype)
+        if shard_world == 1:
+            return x.clone() if x is shard else x
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, shard_world, shard_group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _, reduce_dtype, shard_world, shard_group, rep_world, rep_group = ctx.config
+        g = grad.to(reduce_dtype)
+        if shard_world > 1:
+            g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", shard_world, shard_group))
+        if rep_world > 1:
+            g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", rep_group))
+        # Average over data-parallel ranks, like DDP and FSDP2.
+        g = g / (shard_world * rep_world)
+        return g.to(ctx.master_dtype), None
+
+
+def gather_bucket(shard: torch.Tensor, config: tuple) -> torch.Tensor:
+    """Graph-callable entry point (a plain function, so FX code generation can name it)."""
+    return _GatherBucket.apply(shard, config)
+

@@ -1,0 +1,135 @@
+"""Turn parameters into RaggedShard parameters backed by DBuffers (shared by ``fully_shard`` and the backend)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..planner import TensorSpec, plan_buckets
+from .dbuffer import DBuffer
+from .mesh import ShardingMesh
+from .ragged_tensor import RaggedShardTensor
+from .swap import swap_in_place
+
+__all__ = ["ShardingConfig", "bucket_of", "is_sharded", "shard_parameters"]
+
+_BUCKET_ATTR = "_fsdp_pass_bucket"
+_bucket_ids = itertools.count()  # names buckets uniquely in graphs and logs
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How parameters are bucketed and padded.
+
+    Attributes:
+        bucket_numel: most elements in one bucket (None: one bucket per unit, split only by block sizes).
+        align_bytes: every tensor start and the per-rank shard size are multiples of this many bytes.
+        param_dtype: dtype parameters are gathered in (affects alignment in elements).
+    """
+
+    bucket_numel: int | None = None
+    align_bytes: int = 16
+    param_dtype: torch.dtype | None = None
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return isinstance(p, RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+
+
+def bucket_of(p: torch.Tensor) -> tuple[DBuffer, str]:
+    """The DBuffer holding a sharded parameter, and the parameter's name in it."""
+    return getattr(p, _BUCKET_ATTR)
+
+
+def unit_key(name: str) -> str:
+    """The module unit a parameter belongs to: its name up to the first numeric index.
+
+    ``layers.3.attn.wq.weight`` → ``layers.3``; ``tok_embeddings.weight`` → ``tok_embeddings.weight``
+    (a top-level parameter forms a unit of its own, merged with neighbours by size below).
+    """
+    m = re.match(r"^(.*?\.\d+)(\.|$)", name)
+    return m.group(1) if m else "<root>"
+
+
+def _check_parameter(name: str, p: torch.Tensor) -> None:
+    if is_sharded(p):
+        return
+    if isinstance(p, RaggedShardTensor):
+        raise ValueError(f"parameter {name!r} is a RaggedShardTensor that no DBuffer owns; pass plain parameters")
+    if p.is_complex() or not p.is_floating_point():
+        raise TypeError(
+            f"parameter {name!r} has dtype {p.dtype} (shape {tuple(p.shape)}); only real floating-point "
+            f"parameters can be sharded; register it as a buffer (module.register_buffer) instead"
+        )
+
+
+def shard_parameters(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    mesh: ShardingMesh,
+    config: ShardingConfig = ShardingConfig(),
+    block_sizes: Mapping[str, int] | None = None,
+) -> list[DBuffer]:
+    """Plan buckets for the parameters (in the given order) and swap each into a RaggedShard parameter.
+
+    Parameters already sharded are skipped (their DBuffer is kept). A parameter object listed twice
+    (tied weights) is sharded once. Returns the new DBuffers.
+    """
+    block_sizes = dict(block_sizes or {})
+    seen: set[int] = set()
+    todo: list[tuple[str, nn.Parameter]] = []
+    for name, p in named_params:
+        _check_parameter(name, p)
+        if id(p) in seen or is_sharded(p):
+            continue
+        seen.add(id(p))
+        todo.append((name, p))
+    devices = {p.device for _, p in todo}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {sorted(map(str, devices))}; move the model to one device "
+            f"(model.to(device)) before sharding"
+        )
+
+    # Units in first-use order; within a unit, one group per (dtype, trainable).
+    groups: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in todo:
+        groups.setdefault((unit_key(name), p.dtype, p.requires_grad), []).append((name, p))
+
+    buffers: list[DBuffer] = []
+    for (_, dtype, trainable), members in groups.items():
+        itemsize = min(dtype.itemsize, (config.param_dtype or dtype).itemsize)
+        align = max(1, config.align_bytes // itemsize)
+        specs = []
+        for name, p in members:
+            block = block_sizes.get(name, 1)
+            if p.numel() % block:
+                raise ValueError(
+                    f"parameter {name!r} of shape {tuple(p.shape)} ({p.numel()} elements) cannot be split into "
+                    f"blocks of {block} elements; choose a block size that divides it"
+                )
+            specs.append(TensorSpec(name, p.numel(), block, tuple(p.shape)))
+        by_name = dict(members)
+        for layout in plan_buckets(specs, mesh.shard_size, align=align, max_bucket_numel=config.bucket_numel):
+            shapes = {n: by_name[n].shape for n in layout.names}
+            buf = DBuffer(layout, shapes, mesh, dtype, by_name[layout.names[0]].device, trainable,
+                          index=next(_bucket_ids))
+            for name in layout.names:
+                buf.load_full(name, by_name[name])
+            for name in layout.names:
+                _swap_into_bucket(buf, name, by_name[name])
+            if trainable:
+                buf.shard.register_post_accumulate_grad_hook(lambda _, b=buf: b.attach_grads())
+            buffers.append(buf)
+    return buffers
+
+
+def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
+    sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
+    swap_in_place(p, sharded)
+    setattr(p, _BUCKET_ATTR, (buf, name))
+    buf.params[name] = p

@@ -1,0 +1,39 @@
+"""Swap a parameter's contents in place, keeping the Python object (and so every reference to it)."""
+
+from __future__ import annotations
+
+import copyreg
+
+import torch
+
+__all__ = ["swap_in_place"]
+
+
+def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Make ``old`` become ``new`` (class, attributes, storage) while keeping ``old``'s identity.
+
+    The same steps as ``torch.utils.swap_tensors`` without its weakref check: while compiling,
+    Dynamo and the fake-tensor memo hold weak references to parameters. Identity is kept, so those
+    references stay valid. Optimizers built before sharding keep holding the right objects.
+    """
+    for t, name in ((old, "parameter"), (new, "replacement")):
+        if t._use_count() > 2 or (t._use_count() == 2 and not t.is_leaf):
+            raise RuntimeError(
+                f"cannot shard a {name} that other tensors still alias (use count {t._use_count()}); "
+                f"shard before running backward, or drop references to views of the parameter"
+            )
+    slots = set(copyreg._slotnames(old.__class__)) | set(copyreg._slotnames(new.__class__))
+    old.__class__, new.__class__ = new.__class__, old.__class__
+    old.__dict__, new.__dict__ = new.__dict__, old.__dict__
+    for slot in slots:
+        a, b = getattr(old, slot, _MISSING), getattr(new, slot, _MISSING)
+        for t, v in ((old, b), (new, a)):
+            if v is _MISSING:
+                if hasattr(t, slot):
+                    delattr(t, slot)
+            else:
+                setattr(t, slot, v)
+    torch._C._swap_tensor_impl(old, new)
+
+
+_MISSING = object()

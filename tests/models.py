@@ -1,0 +1,150 @@
+"""Small models for parity tests: an MLP, a llama-style transformer and a mixture-of-experts model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, dims=(19, 37, 23, 5)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+@dataclass
+class LlamaConfig:
+    vocab: int = 61
+    dim: int = 32
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 48
+    seq: int = 8
+    experts: int = 0  # > 0: mixture-of-experts feed-forward
+    top_k: int = 2
+    tie_embeddings: bool = True
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.dim // cfg.heads
+        self.wq = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, freqs):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        q, k = rope(q, freqs), rope(k, freqs)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts, computed densely (every expert on every token, weighted) for determinism."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.dim, cfg.ffn) for _ in range(cfg.experts))
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        gate = torch.zeros_like(scores).scatter(-1, chosen, weights)
+        return sum(gate[..., i : i + 1] * expert(x) for i, expert in enumerate(self.experts))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.ffn = MoE(cfg) if cfg.experts else SwiGLU(cfg.dim, cfg.ffn)
+
+    def forward(self, x, freqs):
+        x = x + self.attn(self.attn_norm(x), freqs)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        head_dim = cfg.dim // cfg.heads
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("freqs", torch.outer(torch.arange(cfg.seq).float(), inv), persistent=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        freqs = self.freqs[: tokens.shape[1], None, :]
+        for layer in self.layers:
+            x = layer(x, freqs)
+        return self.output(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def init_std(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Deterministic, scale-aware initialisation independent of module construction order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return model
