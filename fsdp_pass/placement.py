@@ -66,6 +66,8 @@ class RaggedShard:
     @classmethod
     def on_root(cls, numel: int, world_size: int, root: int, block: int | None = None) -> "RaggedShard":
         """The whole tensor on ``root`` and nothing elsewhere (the layout Muon computes on)."""
+        if not 0 <= root < world_size:
+            raise ValueError(f"root {root} is outside the {world_size} ranks; pick a root in [0, {world_size})")
         block = numel if block is None else block
         blocks = _block_count(numel, block, "tensor") if numel else 0
         return cls(max(block, 1), tuple(blocks if r == root else 0 for r in range(world_size)))

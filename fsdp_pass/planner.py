@@ -63,7 +63,7 @@ class TensorSpec:
 
     @property
     def row(self) -> int:
-        """Elements of one leading-dim slice (the whole tensor for 0/1-dim shapes without ``shape``)."""
+        """Elements of one leading-dim slice; 1 for 0/1-dim tensors and when ``shape`` is not given."""
         if self.shape is None or len(self.shape) < 2:
             return 1
         return math.prod(self.shape[1:])
@@ -161,7 +161,9 @@ class Layout:
         """Raise ``AssertionError`` describing the first violated constraint."""
         S, m, a = self.shard_size, self.world_size, self.align
         assert S >= 0 and S % a == 0, f"shard size {S} is not a multiple of align={a}"
-        spans = sorted((self.offsets[s.name], self.offsets[s.name] + s.numel, s) for s in self.specs)
+        spans = sorted(
+            ((self.offsets[s.name], self.offsets[s.name] + s.numel, s) for s in self.specs), key=lambda t: t[:2]
+        )
         cursor = 0
         for lo, hi, s in spans:
             assert lo % a == 0, f"{s.name} starts at {lo}, not a multiple of align={a}"

@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., ::2], x[..., 1::2]
     cos, sin = freqs.cos(), freqs.sin()
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):

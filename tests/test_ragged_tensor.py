@@ -19,6 +19,8 @@ from fsdp_pass.runtime import RaggedShardTensor, RaggedSpec, distribute_tensor
 
 # (shape, block): odd sizes, a 1-D tensor, a 3-D tensor whose blocks are whole matrices.
 TENSORS = [((7, 5), 5), ((13,), 1), ((3, 4, 5), 20), ((6, 8), 16), ((2, 3), 1)]
+# Every cut at a multiple of 64 elements (see _check_optimizers_match_plain_bitwise).
+SIMD_ALIGNED_TENSORS = [((4, 64), 64), ((3, 128), 128), ((5, 64), 64)]
 
 OPTIMIZERS = [
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
@@ -103,13 +105,13 @@ def _check_redistribute_round_trips(mesh, world: int) -> None:
             assert rs.redistribute(layout) is rs
 
 
-def _make_params(mesh, world: int, seed: int):
-    """RaggedShard parameters (with a zero-unit rank each) and plain copies of the same values."""
+def _make_params(mesh, seed: int, mesh_dim: int = 0, tensors=TENSORS):
+    """RaggedShard parameters (rank 1 of ``mesh_dim`` holding nothing) and plain copies of them."""
     ragged, plain = [], []
-    for i, (shape, block) in enumerate(TENSORS):
+    for i, (shape, block) in enumerate(tensors):
         full = _full(shape, seed + i)
-        layout = _layout_with_a_zero_rank(shape, block, world, seed + i)
-        ragged.append(nn.Parameter(distribute_tensor(full, mesh, layout)))
+        layout = _layout_with_a_zero_rank(shape, block, mesh.size(mesh_dim), seed + i)
+        ragged.append(nn.Parameter(distribute_tensor(full, mesh, layout, mesh_dim=mesh_dim)))
         plain.append(nn.Parameter(full.clone()))
     return ragged, plain
 
@@ -118,38 +120,52 @@ def _set_grads(ragged, plain, seed: int) -> None:
     for i, (r, p) in enumerate(zip(ragged, plain)):
         grad = _full(p.shape, 1000 * seed + i)
         p.grad = grad.clone()
-        r.grad = distribute_tensor(grad, r.mesh, r.placement)
+        r.grad = distribute_tensor(grad, r.mesh, r.placement, r._spec.mesh_dim)
 
 
-def _assert_bitwise(ragged, plain, what: str) -> None:
+def _assert_matches(ragged, plain, what: str, exact: bool = True) -> None:
     for i, (r, p) in enumerate(zip(ragged, plain)):
         assert isinstance(r, RaggedShardTensor), what
         full = r.full_tensor()
-        assert torch.equal(full, p.detach()), f"{what}: param {i} differs by {(full - p).abs().max()}"
+        if exact:
+            assert torch.equal(full, p.detach()), f"{what}: param {i} differs by {(full - p).abs().max()}"
+        else:
+            torch.testing.assert_close(full, p.detach(), msg=f"{what}: param {i}")
+
+
+def _check_optimizer(mesh, cls, hyper: dict, impl: dict, tensors, exact: bool) -> None:
+    what = f"{cls.__name__}({hyper}, {impl})"
+    ragged, plain = _make_params(mesh, seed=7, tensors=tensors)
+    opt_ragged, opt_plain = cls(ragged, **hyper, **impl), cls(plain, **hyper, **impl)
+    for step in range(10):
+        _set_grads(ragged, plain, seed=step)
+        opt_ragged.step()
+        opt_plain.step()
+        if step in (0, 9):
+            _assert_matches(ragged, plain, f"{what} after {step + 1} steps", exact)
+        opt_ragged.zero_grad(set_to_none=step % 2 == 0)
+        opt_plain.zero_grad(set_to_none=step % 2 == 0)
+    state = opt_ragged.state[ragged[0]]
+    assert all(isinstance(v, RaggedShardTensor) for k, v in state.items() if k != "step"), what
 
 
 def _check_optimizers_match_plain_bitwise(mesh, world: int) -> None:
     for cls, hyper in OPTIMIZERS:
         for impl in IMPLEMENTATIONS:
-            what = f"{cls.__name__}({hyper}, {impl})"
-            ragged, plain = _make_params(mesh, world, seed=7)
-            opt_ragged, opt_plain = cls(ragged, **hyper, **impl), cls(plain, **hyper, **impl)
-            for step in range(10):
-                _set_grads(ragged, plain, seed=step)
-                opt_ragged.step()
-                opt_plain.step()
-                if step in (0, 9):
-                    _assert_bitwise(ragged, plain, f"{what} after {step + 1} steps")
-                opt_ragged.zero_grad(set_to_none=step % 2 == 0)
-                opt_plain.zero_grad(set_to_none=step % 2 == 0)
-            state = opt_ragged.state[ragged[0]]
-            assert all(isinstance(v, RaggedShardTensor) for k, v in state.items() if k != "step"), what
+            if cls is torch.optim.SGD and impl.get("fused"):
+                # torch's CPU fused SGD kernel uses FMA in its SIMD body but not in its scalar tail,
+                # so even on plain tensors its result depends on where a slice starts modulo the
+                # SIMD width: bitwise equality needs cuts at multiples of it, otherwise ~1 ulp.
+                _check_optimizer(mesh, cls, hyper, impl, SIMD_ALIGNED_TENSORS, exact=True)
+                _check_optimizer(mesh, cls, hyper, impl, TENSORS, exact=False)
+            else:
+                _check_optimizer(mesh, cls, hyper, impl, TENSORS, exact=True)
 
 
 def _check_clip_grad_norm(mesh, world: int) -> None:
     for norm_type in (2.0, math.inf, 1.0, 3.0):
         for foreach in (None, True, False):
-            ragged, plain = _make_params(mesh, world, seed=3)
+            ragged, plain = _make_params(mesh, seed=3)
             _set_grads(ragged, plain, seed=5)
             max_norm = 0.5
             total = torch.nn.utils.clip_grad_norm_(ragged, max_norm, norm_type=norm_type, foreach=foreach)
@@ -208,7 +224,7 @@ def _check_layout_errors(mesh, world: int) -> None:
 def _check_2d_mesh_norms_not_double_counted(world: int) -> None:
     """Ragged over mesh dim 1, replicated over dim 0: reductions use dim 1's group only."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    ragged, plain = _make_params_on(mesh, mesh_dim=1, seed=11)
+    ragged, plain = _make_params(mesh, seed=11, mesh_dim=1)
     _set_grads(ragged, plain, seed=12)
     for r, p in zip(ragged, plain):
         assert r._spec.world_size == 2 and torch.equal(r.full_tensor(), p.detach())
@@ -222,19 +238,9 @@ def _check_2d_mesh_norms_not_double_counted(world: int) -> None:
     _set_grads(ragged, plain, seed=13)
     opt_ragged.step()
     opt_plain.step()
-    _assert_bitwise(ragged, plain, "AdamW on a 2x2 mesh")
+    _assert_matches(ragged, plain, "AdamW on a 2x2 mesh")
     moved = ragged[0].redistribute(RaggedShard.on_root(ragged[0].numel(), 2, 1))
     assert torch.equal(moved.full_tensor(), plain[0].detach())
-
-
-def _make_params_on(mesh, mesh_dim: int, seed: int):
-    ragged, plain = [], []
-    for i, (shape, block) in enumerate(TENSORS):
-        full = _full(shape, seed + i)
-        layout = _layout_with_a_zero_rank(shape, block, mesh.size(mesh_dim), seed + i)
-        ragged.append(nn.Parameter(distribute_tensor(full, mesh, layout, mesh_dim=mesh_dim)))
-        plain.append(nn.Parameter(full.clone()))
-    return ragged, plain
 
 
 def _all_checks(rank: int, world: int) -> None:

@@ -30,11 +30,15 @@ def group_size(group: ProcessGroup | None) -> int:
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` in place over ``group`` (``op``: "sum", "max", "min", "avg"); returns it."""
+    """Reduce ``tensor`` in place over ``group`` (``op``: "sum", "max", "min", "avg"); returns it.
+
+    Runs the out-of-place functional all_reduce and copies back: functionalization (aot_autograd)
+    rejects the in-place functional op, and the copy is one pass over what was just reduced.
+    """
     if group_size(group) == 1:
         return tensor
-    _c10d.all_reduce_(tensor, op, group.group_name)
-    return _c10d.wait_tensor(tensor)
+    reduced = _c10d.wait_tensor(_c10d.all_reduce(tensor, op, group.group_name))
+    return tensor.copy_(reduced)
 
 
 def all_to_all_uneven(
