@@ -27,6 +27,7 @@ from .passes.detect import block_sizes, find_parameters
 from .passes.rewrite import copy_dynamo_graph, rewrite_parameters
 from .passes.schedule import tag_reshard_after_forward
 from .passes.shard import assign_buckets
+from .runtime.agreement import check_ranks_agree
 from .runtime.dbuffer import DBuffer
 from .runtime.mesh import resolve_mesh
 from .runtime.sharding import ShardingConfig
@@ -41,6 +42,7 @@ class CompiledGraph:
     options: Options
     buffers: list[DBuffer]
     graphs: dict[str, str] = field(default_factory=dict)  # stage name → readable graph
+    modules: dict[str, fx.GraphModule] = field(default_factory=dict)  # stage name → graph, for tests and tools
 
 
 # Every backend call of this process, for explain().
@@ -63,6 +65,7 @@ def _capture(record: CompiledGraph, stage: str | None = None, compiler: Callable
         name = stage or ("backward" if kwargs.get("is_backward") else
                          "inference" if kwargs.get("is_inference") else "forward")
         record.graphs[name] = _readable(gm)
+        record.modules[name] = gm
         log.graph(name, record.graphs[name])
         if compiler is not None:
             return compiler(gm, example_inputs, **kwargs)
@@ -99,6 +102,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
 
     mesh = resolve_mesh(opts.mesh, opts.shard_dim)
+    check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
     blocks = block_sizes(sites, opts.block_sizes)
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype)
     buckets, new = assign_buckets(sites, blocks, mesh, config)

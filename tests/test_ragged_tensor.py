@@ -190,14 +190,16 @@ def _check_reductions(mesh, world: int) -> None:
             assert type(got) is torch.Tensor and got.dtype == full.dtype
             assert torch.allclose(got, torch.linalg.vector_norm(full, ord), rtol=1e-6), (shape, ord)
         assert torch.allclose(torch._foreach_norm([x, y])[1], other.norm(), rtol=1e-6)
-        assert torch.allclose(torch.linalg.vector_norm(x, keepdim=True, dtype=torch.float64),
-                              torch.linalg.vector_norm(full, keepdim=True, dtype=torch.float64), rtol=1e-12)
+        norm64 = torch.linalg.vector_norm(x, keepdim=True, dtype=torch.float64)
+        assert torch.allclose(norm64, torch.linalg.vector_norm(full, keepdim=True, dtype=torch.float64), rtol=1e-12)
         assert torch.allclose(x.sum(), full.sum(), rtol=1e-5, atol=1e-5)
         dims = list(range(full.dim()))
         assert torch.allclose(x.sum(dims, keepdim=True), full.sum(dims, keepdim=True), rtol=1e-5, atol=1e-5)
         assert torch.equal(x.max(), full.max()) and torch.equal(x.min(), full.min())
-        assert torch.equal(x.amax(), full.amax()) and torch.equal(x.amax(dims, keepdim=True), full.amax(dims, keepdim=True))
-        flat_x = distribute_tensor(full.reshape(-1), mesh, RaggedShard(1, tuple(u * block for u in layout.local_units)))
+        assert torch.equal(x.amax(), full.amax())
+        assert torch.equal(x.amax(dims, keepdim=True), full.amax(dims, keepdim=True))
+        flat_layout = RaggedShard(1, tuple(u * block for u in layout.local_units))
+        flat_x = distribute_tensor(full.reshape(-1), mesh, flat_layout)
         flat_y = distribute_tensor(other.reshape(-1), mesh, flat_x.placement)
         assert torch.allclose(torch.dot(flat_x, flat_y), torch.dot(full.reshape(-1), other.reshape(-1)), rtol=1e-5)
         assert torch.allclose(torch.vdot(flat_x, flat_y), torch.vdot(full.reshape(-1), other.reshape(-1)), rtol=1e-5)
@@ -221,7 +223,7 @@ def _check_layout_errors(mesh, world: int) -> None:
         torch.mm(a, full.T)
 
 
-def _check_2d_mesh_norms_not_double_counted(world: int) -> None:
+def _check_2d_mesh_norms_not_double_counted() -> None:
     """Ragged over mesh dim 1, replicated over dim 0: reductions use dim 1's group only."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ragged, plain = _make_params(mesh, seed=11, mesh_dim=1)
@@ -243,6 +245,15 @@ def _check_2d_mesh_norms_not_double_counted(world: int) -> None:
     assert torch.equal(moved.full_tensor(), plain[0].detach())
 
 
+def _check_compiled_reduction(mesh) -> None:
+    """Reductions trace too: their all-reduce is a functional collective in the graph."""
+    full = _full((5, 4), 0)
+    x = distribute_tensor(full, mesh, RaggedShard(4, (2, 3)))
+    norm, y = torch.compile(lambda a: (torch.linalg.vector_norm(a), a * 3 + 1), backend="aot_eager", fullgraph=True)(x)
+    assert torch.allclose(norm, full.norm(), rtol=1e-6)
+    assert isinstance(y, RaggedShardTensor) and torch.equal(y.full_tensor(), full * 3 + 1)
+
+
 def _all_checks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     _check_full_tensor_round_trips(mesh, world)
@@ -251,8 +262,10 @@ def _all_checks(rank: int, world: int) -> None:
     _check_clip_grad_norm(mesh, world)
     _check_reductions(mesh, world)
     _check_layout_errors(mesh, world)
+    if world == 2:
+        _check_compiled_reduction(mesh)
     if world == 4:
-        _check_2d_mesh_norms_not_double_counted(world)
+        _check_2d_mesh_norms_not_double_counted()
 
 
 @pytest.mark.slow
@@ -286,8 +299,11 @@ def test_single_process_ops_match_plain() -> None:
     assert torch.equal((x * 2 + 1).full_tensor(), full * 2 + 1)
     assert torch.equal(torch.where(x > 0, x, 0.5).full_tensor(), torch.where(full > 0, full, 0.5))
     assert torch.equal((x * torch.tensor(3.0)).full_tensor(), full * 3)
+    for like in (torch.zeros_like(x), torch.ones_like(x), torch.full_like(x, 2.0), torch.empty_like(x), x.clone()):
+        assert isinstance(like, RaggedShardTensor) and like._spec == x._spec
+    assert torch.equal(torch.full_like(x, 2.0).full_tensor(), torch.full_like(full, 2.0))
     y = torch.zeros_like(x)
-    assert isinstance(y, RaggedShardTensor) and y.placement == x.placement
+    assert y.add_(1) is y and torch.equal(y.full_tensor(), torch.ones_like(full))
     y.copy_(full)
     assert torch.equal(y.full_tensor(), full)
     y.zero_().copy_(x)
@@ -298,6 +314,12 @@ def test_single_process_ops_match_plain() -> None:
     out = torch.empty_like(x)
     assert torch.maximum(x, y, out=out) is out
     assert torch.allclose(torch.linalg.vector_norm(x), full.norm())
+    plain_norm, ragged_norm = torch._foreach_norm([torch.ones(3), x])
+    assert torch.allclose(plain_norm, torch.tensor(3.0).sqrt()) and torch.allclose(ragged_norm, full.norm())
+    # Compiled optimizers pass one scalar per list entry as a 1-D tensor ("scalars").
+    z = x.clone()
+    torch._foreach_addcdiv_([z], [x], [x.abs() + 1], torch.tensor([0.5]))
+    assert torch.equal(z.full_tensor(), torch.addcdiv(full, full, full.abs() + 1, value=0.5))
     assert torch.equal(x.amax(), full.amax()) and torch.allclose(x.sum(), full.sum())
     with pytest.raises(ValueError, match=r"aten\.add\.Tensor.*plain tensor of shape \(5, 3\)"):
         x + full

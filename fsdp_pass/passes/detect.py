@@ -71,13 +71,32 @@ def _qualified_name(node: fx.Node) -> str:
 
 
 def find_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[ParamSite]:
-    """Parameter placeholders in graph order (= first use), with their FQNs and objects."""
+    """Parameter placeholders in graph order (= first use), with their FQNs and objects.
+
+    Raises if the graph writes to a parameter in place: a sharded parameter is a view of a
+    temporary gathered buffer inside the graph, so the write would be lost.
+    """
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sites = []
     for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, nn.Parameter):
-            sites.append(ParamSite(i, node, _qualified_name(node), value))
+            site = ParamSite(i, node, _qualified_name(node), value)
+            _reject_in_place_writes(site)
+            sites.append(site)
     return sites
+
+
+def _reject_in_place_writes(site: ParamSite) -> None:
+    for user in site.node.users:
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        written = user.args[:1] == (site.node,) or user.kwargs.get("out") is site.node
+        if written and (name.endswith("_") and not name.endswith("__") and name != "requires_grad_" or name == "copy_"):
+            raise RuntimeError(
+                f"parameter {site.name!r} (shape {tuple(site.param.shape)}) is modified in place inside the "
+                f"compiled forward ({name}); sharded parameters are views of a buffer gathered for the "
+                f"step, so the write would be lost. Update it outside the compiled region under "
+                f"torch.no_grad(), or register it as a buffer"
+            )
 
 
 def block_sizes(sites: Sequence[ParamSite], options_blocks: Mapping[str, Any] | None = None) -> dict[str, int]:

@@ -225,7 +225,8 @@ _LAYOUT_KEEPING_OPS = {
 _FUSED_OPTIMIZER_OPS = {"aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fused_sgd_"}
 
 _FULL_TENSOR_HINT = (
-    'call .full_tensor() to work on the whole tensor, or compile the model with torch.compile(..., backend="vescale")'
+    "call .full_tensor() to work on the whole tensor, "
+    'or compile the model with torch.compile(..., backend="vescale")'
 )
 
 
@@ -260,7 +261,8 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
                 raise ValueError(
                     f"{_op_name(func)}: cannot combine a RaggedShardTensor ({spec.describe()}) with a plain "
                     f"tensor of shape {tuple(value.shape)}; only Python scalars and 0-dim tensors mix with "
-                    f"RaggedShard pieces. Shard it first (distribute_tensor with the same placement) or {_FULL_TENSOR_HINT}"
+                    f"RaggedShard pieces. Shard it first (distribute_tensor with the same placement) "
+                    f"or {_FULL_TENSOR_HINT}"
                 )
     return spec
 
@@ -429,28 +431,28 @@ def _foreach_norm(func, args, kwargs):
 
 
 def _global_norms(tensors: list[RaggedShardTensor], ord: float, dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """Vector norms of whole tensors sharing one process group.
+    """Vector norms of whole tensors sharing one process group, with one all-reduce for all of them.
 
-    Each rank contributes ``|piece|_p ** p`` (finite p, in float64 so the combination adds no
-    rounding of note), the max (p = inf) or the min (p = -inf); empty pieces contribute the identity.
+    Each rank contributes ``|piece|_p ** p`` for finite p (in float64, so combining the pieces adds
+    no rounding of note), its max for p = inf or its min for p = -inf; empty pieces contribute
+    the identity.
     """
     ord = float(ord)
-    device = tensors[0]._local.device
-    partials = []
-    for t in tensors:
-        if t._local.numel() == 0:
-            partials.append(torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=torch.float64, device=device))
-            continue
-        local_norm = aten.linalg_vector_norm.default(t._local, ord, dtype=dtype).to(torch.float64)
-        partials.append(local_norm if ord in (0.0, math.inf, -math.inf) else local_norm**ord)
-    stacked = torch.stack(partials)
+    partials = torch.full(
+        (len(tensors),), math.inf if ord == -math.inf else 0.0, dtype=torch.float64, device=tensors[0]._local.device
+    )
+    held = [i for i, t in enumerate(tensors) if t._local.numel() > 0]
+    if held:
+        local_norms = aten._foreach_norm.Scalar([tensors[i]._local for i in held], ord, dtype)
+        local = torch.stack(local_norms).to(torch.float64)
+        partials[held] = local if ord in (0.0, math.inf, -math.inf) else local**ord
     group = tensors[0]._spec.group
     if ord == math.inf:
-        combined = _all_reduce_extremum(stacked, group, "max")
+        combined = _all_reduce_extremum(partials, group, "max")
     elif ord == -math.inf:
-        combined = _all_reduce_extremum(stacked, group, "min")
+        combined = _all_reduce_extremum(partials, group, "min")
     else:
-        combined = collectives.all_reduce_(stacked, group, "sum")
+        combined = collectives.all_reduce_(partials, group, "sum")
         if ord != 0.0:
             combined = combined ** (1.0 / ord)
     return [combined[i].to((dtype or t.dtype).to_real()) for i, t in enumerate(tensors)]

@@ -1,0 +1,253 @@
+"""The vescale backend's compiled graphs, recompiles, model features and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_pass
+from dist_harness import run_distributed
+from fsdp_pass.backend import records
+from fsdp_pass.passes.schedule import GATHER_CHAIN_OPS
+from fsdp_pass.runtime.sharding import bucket_of
+from models import MLP, Llama, LlamaConfig, lm_loss
+
+_c10d = torch.ops._c10d_functional
+_COPY_OPS = {torch.ops.aten.cat.default, torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
+             torch.ops.aten.copy.default, torch.ops.aten.split_with_sizes_copy.default}
+
+
+def _count(gm: fx.GraphModule, op) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def _gathered(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes holding (views of) a gathered bucket: all_gather outputs and their view chains."""
+    out, stack = set(), list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    while stack:
+        node = stack.pop()
+        out.add(node)
+        stack += [u for u in node.users if u.target in GATHER_CHAIN_OPS or getattr(u.target, "__name__", "") == "getitem"]
+    return out
+
+
+def _saved_for_backward(gm: fx.GraphModule) -> list[fx.Node]:
+    (output,) = gm.graph.find_nodes(op="output")
+    return [a for a in output.args[0][1:] if isinstance(a, fx.Node)]
+
+
+def _structure_worker(rank: int, world: int, compiler: str) -> None:
+    for reshard in (True, False):
+        torch._dynamo.reset()
+        before = len(records())
+        torch.manual_seed(0)
+        model = MLP()
+        compiled = torch.compile(model, backend="vescale", options={"compiler": compiler, "reshard_after_forward": reshard})
+        compiled(torch.randn(4, 19)).sum().backward()
+        (record,) = records()[before:]
+        fw, bw = record.modules["forward"], record.modules["backward"]
+        buckets = len(record.buffers)
+        assert buckets == 3, record.buffers  # one per Linear (module units layers.0/1/2)
+        assert _count(fw, _c10d.all_gather_into_tensor.default) == buckets
+        assert _count(bw, _c10d.reduce_scatter_tensor.default) == buckets
+        gathered = _gathered(fw)
+        # Forward: parameters are views of the gathered buffers, no copy kernels in between.
+        assert not any(n.target in _COPY_OPS for n in gathered), [n.name for n in gathered]
+        saved_gathered = [n.name for n in _saved_for_backward(fw) if n in gathered]
+        if reshard:
+            assert saved_gathered == [], f"forward saves gathered buffers: {saved_gathered}"
+            # Backward gathers again every bucket whose parameters it needs (not layer 0: x needs no grad).
+            assert _count(bw, _c10d.all_gather_into_tensor.default) == buckets - 1
+        else:
+            assert saved_gathered, "without reshard_after_forward the gathered views are kept for backward"
+            assert _count(bw, _c10d.all_gather_into_tensor.default) == 0
+        for p in model.parameters():
+            assert isinstance(p.grad, fsdp_pass.RaggedShardTensor)
+            buf, name = bucket_of(p)
+            assert p.grad._local.untyped_storage().data_ptr() == buf.shard.grad.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_collectives_views_and_saved_tensors(compiler):
+    run_distributed(_structure_worker, 2, compiler)
+
+
+def _recompile_worker(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    calls = []
+    for step in range(20):
+        compiled(torch.randn(4, 19)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        calls.append(len(records()))
+    assert calls[1] == calls[-1], f"backend calls per step: {calls}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    buffers = {id(bucket_of(p)[0]) for p in model.parameters()}
+    shards = {bucket_of(p)[0].shard.data_ptr() for p in model.parameters()}
+    compiled(torch.randn(6, 19)).sum().backward()  # a new batch size: recompiles ...
+    assert len(records()) == calls[-1] + 1
+    # ... but keeps the plan: same DBuffers, same storage.
+    assert {id(bucket_of(p)[0]) for p in model.parameters()} == buffers
+    assert {bucket_of(p)[0].shard.data_ptr() for p in model.parameters()} == shards
+
+
+def test_no_recompiles_and_dynamic_batch_keeps_plan():
+    run_distributed(_recompile_worker, 2)
+
+
+class GraphBreakModel(nn.Module):
+    """A graph break in the middle, a frozen layer, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.c = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, x):
+        x = F.relu(self.a(x)) * self.scale
+        torch._dynamo.graph_break()
+        x = F.relu(self.b(x)) + self.frozen(x)
+        return self.c(x)
+
+
+def _features_worker(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GraphBreakModel()
+    reference = copy.deepcopy(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    per_rank = 8 // world
+    for step in range(5):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x[rank * per_rank:(rank + 1) * per_rank]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.frozen.weight.grad is None
+    assert not isinstance(model.scale, fsdp_pass.RaggedShardTensor)
+    # The same model called from a second compiled function (no_grad evaluation) reuses the layout.
+    evaluate = torch.compile(lambda x: model(x).sum(), backend="vescale", options={"compiler": "aot_eager"})
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(evaluate(x), reference(x).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_graph_break_frozen_buffer_and_second_compiled_function():
+    run_distributed(_features_worker, 2)
+
+
+def _mixed_precision_worker(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = LlamaConfig()
+    model = Llama(cfg)
+    reference = copy.deepcopy(model)
+    policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    before = len(records())
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager", "mp_policy": policy})
+    tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(1))
+    loss = lm_loss(compiled(tokens[rank * 2:(rank + 1) * 2]), tokens[rank * 2:(rank + 1) * 2])
+    loss.backward()
+    (record,) = records()[before:]
+    fw, bw = record.modules["forward"], record.modules["backward"]
+    for node in fw.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+        assert node.meta["val"].dtype == torch.bfloat16
+    for node in bw.graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default):
+        assert node.meta["val"].dtype == torch.float32
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+    reference_loss = lm_loss(reference(tokens), tokens)
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    # bf16 compute against an fp32 reference: bf16 has 8 mantissa bits.
+    assert abs(global_loss.item() / world - reference_loss.item()) < 2e-2 * reference_loss.item()
+
+
+def test_mixed_precision_gathers_bf16_and_reduces_fp32():
+    run_distributed(_mixed_precision_worker, 2)
+
+
+def _divergent_worker(rank: int, world: int) -> None:
+    class Divergent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)) if rank == 0 else self.a(x)
+
+    compiled = torch.compile(Divergent(), backend="vescale", options={"compiler": "aot_eager"})
+    with pytest.raises(Exception, match="ranks disagree on the parameters"):
+        compiled(torch.randn(2, 4))
+
+
+def test_parameter_used_on_some_ranks_only_raises():
+    run_distributed(_divergent_worker, 2)
+
+
+def test_unknown_option_lists_valid_ones():
+    compiled = torch.compile(nn.Linear(2, 2), backend="vescale", options={"bucket_sise": 10})
+    with pytest.raises(Exception, match=r"unknown fsdp_pass option\(s\) \['bucket_sise'\].*bucket_size"):
+        compiled(torch.randn(1, 2))
+
+
+def test_in_place_write_to_parameter_in_forward_raises():
+    class Mutating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            self.w.add_(1)
+            return x * self.w
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="parameter 'w' .* modified in place"):
+        torch.compile(Mutating(), backend="vescale", options={"compiler": "aot_eager"})(torch.randn(3))
+
+
+def test_fake_process_group_plans_and_compiles_1024_ranks():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=1024)
+    try:
+        cfg = LlamaConfig(dim=64, ffn=128)
+        model = Llama(cfg)
+        total = sum(p.numel() for p in model.parameters())
+        compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+        tokens = torch.randint(0, cfg.vocab, (2, cfg.seq))
+        lm_loss(compiled(tokens), tokens).backward()
+        buffers = {id(b): b for b in (bucket_of(p)[0] for p in model.parameters())}.values()
+        assert all(b.mesh.shard_size == 1024 for b in buffers)
+        per_rank = sum(b.layout.shard_size for b in buffers)
+        padding = sum(b.layout.padding for b in buffers)
+        assert per_rank * 1024 == total + padding
+        for b in buffers:
+            b.layout.validate()
+    finally:
+        dist.destroy_process_group()
