@@ -39,7 +39,7 @@ def fully_shard(
         block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
         align_bytes: alignment of tensor starts and shard sizes.
     """
-    sharding_mesh = resolve_mesh(mesh, shard_dim)
+    sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh")
     named = list(module.named_parameters(remove_duplicate=True))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes), blocks)

@@ -20,6 +20,7 @@ Pure Python over numbers: nothing here imports ``torch``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -443,6 +444,9 @@ def plan(specs: Iterable[TensorSpec], world_size: int, align: int = 8, orders: S
     return best
 
 
+_MAX_PEELS = 4
+
+
 def plan_buckets(
     specs: Iterable[TensorSpec],
     world_size: int,
@@ -452,34 +456,103 @@ def plan_buckets(
 ) -> list[Layout]:
     """Split one unit's tensors into buckets so that mixed block sizes do not inflate padding.
 
-    Rule: tensors with the same block size go together (in first-use order); each such group is
-    cut to at most ``max_bucket_numel`` elements. Groups are then merged back, in order, whenever
-    the merged bucket pads no more than the two separate buckets plus ``padding_tolerance`` of
-    the merged size, so buckets stay as large as the padding allows. If planning the whole unit
-    as one bucket pads no more than the grouped result, that single bucket is returned.
+    A tensor that spans several shards forces its bucket's ``S`` to be a multiple of its block, so
+    one large tensor with an unusual block (16 rows of 16384 next to 16 rows of 6144, say) rounds
+    ``S`` up to the LCM of the blocks on every rank. Three groupings are planned and the one with the
+    least total padding wins (ties: fewer buckets; the whole unit first):
+
+    1. **whole** — the unit as one bucket (returned at once when it pads at most
+       ``padding_tolerance`` of the unit's elements);
+    2. **peel** — starting from the whole unit, the tensors that must span whole shards (more than
+       twice the per-rank share) are grouped by block; the group whose removal into its own bucket
+       saves the most padding is peeled off, and this repeats (up to four times) while it helps;
+       peeled groups are then merged while merging pads no more (plus ``padding_tolerance``);
+    3. **block groups** — tensors with equal blocks together (in first-use order), merged back in
+       order whenever the merged bucket pads no more than the two apart plus ``padding_tolerance``.
+
+    The result never pads more than ``plan(specs)`` when the whole unit fits ``max_bucket_numel``.
+    Every bucket holds at most ``max_bucket_numel`` elements unless it is a single larger tensor.
+    Buckets come back ordered by their first tensor in ``specs``.
     """
     specs = list(specs)
     if not specs:
         return []
+    m, limit = world_size, max_bucket_numel
+    total = sum(s.numel for s in specs)
+    options: list[list[Layout]] = []
+    if _fits(total, limit):
+        whole = plan(specs, m, align)
+        if whole.padding <= padding_tolerance * total:
+            return [whole]
+        options.append([whole])
+        peeled = _peel(specs, whole, limit, padding_tolerance)
+        if peeled is not None:
+            options.append(peeled)
+    options.append(_block_groups(specs, m, align, limit, padding_tolerance))
+    return min(options, key=lambda buckets: (sum(b.padding for b in buckets), len(buckets)))
+
+
+def _peel(specs: list[TensorSpec], whole: Layout, limit: int | None, tolerance: float) -> list[Layout] | None:
+    """Grouping 2 of :func:`plan_buckets`; None when no peel helps."""
+    m, align = whole.world_size, whole.align
+    index = {s.name: i for i, s in enumerate(specs)}
+    main, peeled = whole, []
+    for _ in range(_MAX_PEELS):
+        share = -(-main.numel // m)
+        by_step: dict[int, list[TensorSpec]] = {}
+        for s in main.specs:
+            if s.numel > 2 * share:
+                by_step.setdefault(math.lcm(s.block, align), []).append(s)
+        best: tuple[int, Layout, Layout] | None = None
+        for group in by_step.values():
+            names = {s.name for s in group}
+            rest = sorted((s for s in main.specs if s.name not in names), key=lambda s: index[s.name])
+            if not rest:
+                continue
+            kept, out = plan(rest, m, align), plan(sorted(group, key=lambda s: index[s.name]), m, align)
+            if best is None or kept.padding + out.padding < best[0]:
+                best = (kept.padding + out.padding, kept, out)
+        if best is None or best[0] >= main.padding:
+            break
+        main = best[1]
+        peeled.append(best[2])
+    if not peeled:
+        return None
+    buckets = [main, *peeled]
+    merged = True
+    while merged and len(buckets) > 2:  # peeled groups may share a bucket without padding more
+        merged = False
+        for i, j in itertools.combinations(range(1, len(buckets)), 2):
+            if not _fits(buckets[i].numel + buckets[j].numel, limit):
+                continue
+            both = plan(sorted(buckets[i].specs + buckets[j].specs, key=lambda s: index[s.name]), m, align)
+            if both.padding <= buckets[i].padding + buckets[j].padding + tolerance * both.numel:
+                buckets[i] = both
+                del buckets[j]
+                merged = True
+                break
+    return sorted(buckets, key=lambda b: min(index[n] for n in b.names))
+
+
+def _block_groups(
+    specs: list[TensorSpec], m: int, align: int, limit: int | None, tolerance: float
+) -> list[Layout]:
+    """Grouping 3 of :func:`plan_buckets`."""
     groups: dict[int, list[TensorSpec]] = {}
     for s in specs:
         groups.setdefault(s.block, []).append(s)
     pieces: list[list[TensorSpec]] = []
     for group in groups.values():
-        pieces.extend(_chunk(group, max_bucket_numel))
+        pieces.extend(_chunk(group, limit))
     buckets: list[Layout] = []
     for piece in pieces:
-        layout = plan(piece, world_size, align)
-        if buckets and _fits(buckets[-1].numel + layout.numel, max_bucket_numel):
-            merged = plan(list(buckets[-1].specs) + piece, world_size, align)
-            if merged.padding <= buckets[-1].padding + layout.padding + padding_tolerance * merged.numel:
+        layout = plan(piece, m, align)
+        if buckets and _fits(buckets[-1].numel + layout.numel, limit):
+            merged = plan(list(buckets[-1].specs) + piece, m, align)
+            if merged.padding <= buckets[-1].padding + layout.padding + tolerance * merged.numel:
                 buckets[-1] = merged
                 continue
         buckets.append(layout)
-    if len(buckets) > 1 and _fits(sum(s.numel for s in specs), max_bucket_numel):
-        whole = plan(specs, world_size, align)
-        if whole.padding <= sum(b.padding for b in buckets):
-            return [whole]
     return buckets
 
 

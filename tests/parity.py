@@ -28,7 +28,8 @@ class Case:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    """Relative difference of two tensors: ||a - b|| / ||b|| (Frobenius)."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def run_case(case: Case, rank: int, world: int, mesh=None) -> dict:

@@ -43,12 +43,30 @@ def llama_case(compiler: str, experts: int = 0, steps: int = 20, **options) -> C
                 steps=steps, options={"compiler": compiler, **options}, tolerance=TOLERANCE)
 
 
-def _run_cases(rank: int, world: int, names: list[str]) -> None:
+def _hf_llama():
+    """An unmodified third-party model: transformers' Llama from a tiny config (no download)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    cfg = HFLlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                        tie_word_embeddings=True, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def hf_case(compiler: str, steps: int = 20) -> Case:
+    return Case(f"hf-llama/{compiler}", _hf_llama, _token_batch, lambda out, t: lm_loss(out.logits, t),
+                steps=steps, options={"compiler": compiler}, tolerance=TOLERANCE)
+
+
+def _run_cases(rank: int, world: int, names: list[str], mesh_shape=None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
     cases = {c.name: c for c in _all_cases()}
     for name in names:
-        result = run_case(cases[name], rank, world)
+        result = run_case(cases[name], rank, world, mesh=mesh)
         if rank == 0:
-            print(f"[{world} ranks] {name}: {result}")
+            print(f"[{world} ranks, mesh {mesh_shape}] {name}: {result}")
 
 
 def _all_cases() -> list[Case]:
@@ -58,8 +76,11 @@ def _all_cases() -> list[Case]:
         mlp_case("inductor", True),
         mlp_case("inductor", False),
         llama_case("aot_eager"),
+        llama_case("aot_eager", reshard_after_forward=False),
         llama_case("inductor"),
         llama_case("aot_eager", experts=4),
+        hf_case("aot_eager"),
+        hf_case("inductor", steps=10),
     ]
 
 
@@ -74,7 +95,15 @@ def test_parity_aot_eager(world):
     run_distributed(_run_cases, world, names)
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_parity_inductor(world):
     names = [c.name for c in _all_cases() if "inductor" in c.name]
+    if world == 4:  # four Inductor compiles per case on two cores: keep the larger models only
+        names = [n for n in names if not n.startswith("mlp")]
     run_distributed(_run_cases, world, names)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_parity_hsdp_2x2(compiler):
+    names = [c.name for c in _all_cases() if c.name.startswith("llama(experts=0)/" + compiler + "/{}")]
+    run_distributed(_run_cases, 4, names, (2, 2))

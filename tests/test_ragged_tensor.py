@@ -81,6 +81,9 @@ def _check_full_tensor_round_trips(mesh, world: int) -> None:
             assert torch.equal(rs.to_local(), full.reshape(-1)[start:end]), layout
             assert rs.shape == full.shape and rs.stride() == full.stride() and rs.dtype == full.dtype
             assert torch.equal(rs.full_tensor(), full), layout
+            copied = torch.zeros_like(rs).copy_(full)  # RS <- plain full tensor keeps this rank's slice
+            assert torch.equal(copied.to_local(), rs.to_local()) and copied._spec == rs._spec
+            assert hash(rs._spec) == hash(RaggedSpec(full.shape, layout, mesh))
     empty = distribute_tensor(torch.empty(0, 3), mesh, RaggedShard(3, (0,) * world))
     assert empty.full_tensor().shape == (0, 3)
 

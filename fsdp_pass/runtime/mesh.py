@@ -49,11 +49,14 @@ class ShardingMesh:
         return "cpu" if self.mesh is None else self.mesh.device_type
 
 
-def resolve_mesh(mesh: DeviceMesh | None, shard_dim: int | None = None) -> ShardingMesh:
+def resolve_mesh(
+    mesh: DeviceMesh | None, shard_dim: int | None = None, argument: str = "options['mesh']"
+) -> ShardingMesh:
     """Validate the user's mesh, defaulting to all ranks of the default process group.
 
     ``mesh=None`` means every rank of the default group (one process without a group).
     A 2-D mesh is read as ``(replicate, shard)`` unless ``shard_dim`` says otherwise.
+    ``argument`` is how error messages name the mesh (the backend option, or ``fully_shard``'s argument).
     """
     if mesh is None:
         if not dist.is_available() or not dist.is_initialized():
@@ -62,10 +65,10 @@ def resolve_mesh(mesh: DeviceMesh | None, shard_dim: int | None = None) -> Shard
         device = "cuda" if backend == "nccl" else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"options['mesh'] must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"options['mesh'] has {mesh.ndim} dims {tuple(mesh.shape)}; give a 1-D mesh (FSDP) or a 2-D "
+            f"{argument} has {mesh.ndim} dims {tuple(mesh.shape)}; give a 1-D mesh (FSDP) or a 2-D "
             f"(replicate, shard) mesh (HSDP)"
         )
     if shard_dim is None:
@@ -74,7 +77,7 @@ def resolve_mesh(mesh: DeviceMesh | None, shard_dim: int | None = None) -> Shard
         raise ValueError(f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}")
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise ValueError(
-            f"options['mesh'] covers {mesh.size()} ranks but the default process group has "
+            f"{argument} covers {mesh.size()} ranks but the default process group has "
             f"{dist.get_world_size()}; build the mesh over all ranks (init_device_mesh(device, shape) with "
             f"prod(shape) == world size)"
         )

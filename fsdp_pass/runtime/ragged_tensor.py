@@ -12,8 +12,12 @@ Eager ops run through ``__torch_dispatch__`` on the pieces, but only where that 
 * full reductions (vector norms, ``sum``, ``max``/``min``, ``dot``): reduce the piece, then
   all-reduce over the mesh dim; the result is a plain, replicated tensor.
 
-That is what ``torch.optim`` optimizers and ``clip_grad_norm_`` need. Everything else raises
-rather than compute something silently wrong on a piece.
+That is what ``torch.optim`` optimizers and ``clip_grad_norm_`` need (importing this module also
+lets their ``foreach`` defaults treat RaggedShard tensors like plain ones, as DTensor does).
+Everything else raises rather than compute something silently wrong on a piece.
+
+Under ``torch.compile`` the same dispatch runs on fake/functional pieces: elementwise ops trace as
+ops on the locals and reductions as functional collectives in the graph.
 """
 
 from __future__ import annotations
@@ -216,7 +220,7 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 # Dispatch: layout checks
 # ---------------------------------------------------------------------------------------------
 
-# Not tagged pointwise, but each output element depends only on the same input element.
+# Not tagged pointwise, but they keep the layout: each output element depends at most on the same input element.
 _LAYOUT_KEEPING_OPS = {
     aten.zeros_like, aten.empty_like, aten.ones_like, aten.full_like,
     aten.detach, aten.zero_, aten.fill_, aten._to_copy,

@@ -10,11 +10,11 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from ..planner import TensorSpec, plan_buckets
+from ..planner import Layout, TensorSpec, plan_buckets
 from .dbuffer import DBuffer
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor
-from .swap import swap_in_place
+from .swap import check_swappable, swap_in_place
 
 __all__ = ["ShardingConfig", "bucket_of", "is_sharded", "shard_parameters"]
 
@@ -100,7 +100,9 @@ def shard_parameters(
     for name, p in todo:
         groups.setdefault((unit_key(name), p.dtype, p.requires_grad), []).append((name, p))
 
-    buffers: list[DBuffer] = []
+    # Plan every bucket and check every parameter before the first swap: an error must leave the
+    # module untouched, never half sharded.
+    plans: list[tuple[Layout, torch.dtype, bool, dict[str, nn.Parameter]]] = []
     for (_, dtype, trainable), members in groups.items():
         itemsize = min(dtype.itemsize, (config.param_dtype or dtype).itemsize)
         align = max(1, config.align_bytes // itemsize)
@@ -115,16 +117,22 @@ def shard_parameters(
             specs.append(TensorSpec(name, p.numel(), block, tuple(p.shape)))
         by_name = dict(members)
         for layout in plan_buckets(specs, mesh.shard_size, align=align, max_bucket_numel=config.bucket_numel):
-            shapes = {n: by_name[n].shape for n in layout.names}
-            buf = DBuffer(layout, shapes, mesh, dtype, by_name[layout.names[0]].device, trainable,
-                          index=next(_bucket_ids))
-            for name in layout.names:
-                buf.load_full(name, by_name[name])
-            for name in layout.names:
-                _swap_into_bucket(buf, name, by_name[name])
-            if trainable:
-                buf.shard.register_post_accumulate_grad_hook(lambda _, b=buf: b.attach_grads())
-            buffers.append(buf)
+            plans.append((layout, dtype, trainable, by_name))
+    for name, p in todo:
+        check_swappable(p, f"parameter {name!r}")
+
+    buffers: list[DBuffer] = []
+    for layout, dtype, trainable, by_name in plans:
+        shapes = {n: by_name[n].shape for n in layout.names}
+        buf = DBuffer(layout, shapes, mesh, dtype, by_name[layout.names[0]].device, trainable,
+                      index=next(_bucket_ids))
+        for name in layout.names:
+            buf.load_full(name, by_name[name])
+        for name in layout.names:
+            _swap_into_bucket(buf, name, by_name[name])
+        if trainable:
+            buf.shard.register_post_accumulate_grad_hook(lambda _, b=buf: b.attach_grads())
+        buffers.append(buf)
     return buffers
 
 

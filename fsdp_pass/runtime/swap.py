@@ -6,7 +6,7 @@ import copyreg
 
 import torch
 
-__all__ = ["swap_in_place"]
+__all__ = ["check_swappable", "swap_in_place"]
 
 
 def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -16,12 +16,8 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
     Dynamo and the fake-tensor memo hold weak references to parameters. Identity is kept, so those
     references stay valid. Optimizers built before sharding keep holding the right objects.
     """
-    for t, name in ((old, "parameter"), (new, "replacement")):
-        if t._use_count() > 2 or (t._use_count() == 2 and not t.is_leaf):
-            raise RuntimeError(
-                f"cannot shard a {name} that other tensors still alias (use count {t._use_count()}); "
-                f"shard before running backward, or drop references to views of the parameter"
-            )
+    check_swappable(old, "parameter")
+    check_swappable(new, "replacement")
     slots = set(copyreg._slotnames(old.__class__)) | set(copyreg._slotnames(new.__class__))
     old.__class__, new.__class__ = new.__class__, old.__class__
     old.__dict__, new.__dict__ = new.__dict__, old.__dict__
@@ -34,6 +30,15 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
             else:
                 setattr(t, slot, v)
     torch._C._swap_tensor_impl(old, new)
+
+
+def check_swappable(t: torch.Tensor, what: str) -> None:
+    """Raise if ``t`` cannot be swapped in place because other tensors (views, autograd) still alias it."""
+    if t._use_count() > 2 or (t._use_count() == 2 and not t.is_leaf):
+        raise RuntimeError(
+            f"cannot shard {what}: other tensors still alias it (use count {t._use_count()}); "
+            f"shard before running backward, or drop references to views of the parameter"
+        )
 
 
 _MISSING = object()
