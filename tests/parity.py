@@ -66,7 +66,10 @@ def run_case(case: Case, rank: int, world: int, mesh=None) -> dict:
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert isinstance(p, RaggedShardTensor), f"{case.name}: {name} was not sharded"
-        worst_param = max(worst_param, _rel(p.full_tensor().detach(), ref_params[name].detach()))
+        diff = _rel(p.full_tensor().detach(), ref_params[name].detach())
+        if diff > case.tolerance / 10 and rank == 0:
+            print(f"{case.name}: {name} rel diff {diff:.3g}")
+        worst_param = max(worst_param, diff)
     assert worst_loss <= case.tolerance, f"{case.name}: loss rel diff {worst_loss:.3g} > {case.tolerance}"
     assert worst_param <= case.tolerance, f"{case.name}: param rel diff {worst_param:.3g} > {case.tolerance}"
     return {"loss_rel": worst_loss, "param_rel": worst_param}

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import ProcessGroup
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..placement import RaggedShard, transfer_splits
@@ -195,6 +196,8 @@ class RaggedShardTensor(torch.Tensor):
             return _run_elementwise(func, args, kwargs)
         if _is_per_tensor_list_op(func):
             return _run_per_list_entry(func, args, kwargs)
+        if _pieces_are_fake(args, kwargs):
+            return _run_on_full_shape_stand_ins(func, args, kwargs)
         raise _unsupported(func, args, kwargs)
 
 
@@ -269,6 +272,22 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
                     f"or {_FULL_TENSOR_HINT}"
                 )
     return spec
+
+
+def _pieces_are_fake(args, kwargs) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(t, RaggedShardTensor) and isinstance(t._local, FakeTensor) for t in leaves)
+
+
+def _run_on_full_shape_stand_ins(func, args, kwargs):
+    """Shape propagation while Dynamo traces a model whose parameters are already sharded.
+
+    Dynamo records the torch-level call (``F.linear(x, weight)``) and only needs output metadata; the
+    vescale backend then replaces every parameter use by a view of the gathered bucket, so these
+    stand-ins never reach a compiled graph. Only fake pieces take this path: real data still raises.
+    """
+    stand_in = lambda t: t._local.new_empty(t.shape, dtype=t.dtype)  # noqa: E731
+    return func(*tree_map_only(RaggedShardTensor, stand_in, args), **tree_map_only(RaggedShardTensor, stand_in, kwargs))
 
 
 def _unwrap(tree: Any) -> Any:
