@@ -112,6 +112,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     rewritten = rewrite_parameters(copy_dynamo_graph(gm), sites, buckets, opts.param_dtype, opts.reduce_dtype)
     record.buffers = rewritten.buffers
     record.graphs["rewritten"] = _readable(rewritten.gm)
+    record.modules["rewritten"] = rewritten.gm
     log.graph("rewritten", record.graphs["rewritten"])
 
     fake_mode = torch._guards.TracingContext.get().fake_mode

@@ -227,7 +227,7 @@ def test_tensor_spec_validation_names_the_tensor():
 
 
 @given(tensor_sets(), world_sizes, aligns)
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_plan_properties(specs, m, align):
     layout = plan(specs, m, align)
     _check_layout(layout, specs)
@@ -280,7 +280,7 @@ def test_plan_is_near_the_optimum_over_all_permutations(specs, m, align):
 
 
 @given(tensor_sets(), world_sizes, aligns, st.one_of(st.none(), st.integers(1, 20000)))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=50, deadline=None)
 def test_plan_buckets_properties(specs, m, align, limit):
     buckets = plan_buckets(specs, m, align, max_bucket_numel=limit)
     names = [n for b in buckets for n in b.names]

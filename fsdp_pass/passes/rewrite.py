@@ -73,7 +73,7 @@ def rewrite_parameters(
         if not users:  # parameters the graph never reads: nothing to gather
             continue
         with graph.inserting_before(first_input):
-            shard = graph.placeholder(f"bucket{buf.index}_shard")
+            shard = graph.placeholder(f"bucket{len(new_inputs)}_shard")
         shard._dynamo_source = None
         shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
         new_inputs.append(buf)

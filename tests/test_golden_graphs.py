@@ -1,0 +1,55 @@
+"""Golden rewritten graph of a small model (two ranks of a fake process group): a review aid for pass changes.
+
+Regenerate after an intended change with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_golden_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_pass  # noqa: F401  (registers the backend)
+from fsdp_pass.backend import records
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 10), nn.Linear(10, 4, bias=False)])
+
+    def forward(self, x):
+        return self.layers[1](torch.relu(self.layers[0](x)))
+
+
+class GoldenGraphs(expecttest.TestCase):
+    def test_rewritten_graph(self):
+        torch._dynamo.reset()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            before = len(records())
+            compiled = torch.compile(TwoLayer(), backend="vescale", options={"compiler": "aot_eager"})
+            compiled(torch.randn(3, 6))
+            (record,) = records()[before:]
+            code = record.modules["rewritten"].code.strip().replace(repr(dist.group.WORLD.group_name), "GROUP")
+            self.assertExpectedInline(code, """\
+def forward(self, bucket0_shard, bucket1_shard, L_x_ : torch.Tensor):
+    l_x_ = L_x_
+    gather_bucket = fsdp_pass_runtime_dbuffer_gather_bucket(bucket0_shard, (torch.float32, torch.float32, 2, GROUP, 1, None));  bucket0_shard = None
+    split_with_sizes_default = torch.ops.aten.split_with_sizes.default(gather_bucket, [60, 10, 2]);  gather_bucket = None
+    getitem = split_with_sizes_default[0]
+    view_default = torch.ops.aten.view.default(getitem, [10, 6]);  getitem = None
+    getitem_1 = split_with_sizes_default[1];  split_with_sizes_default = None
+    view_default_1 = torch.ops.aten.view.default(getitem_1, [10]);  getitem_1 = None
+    linear = torch._C._nn.linear(l_x_, view_default, view_default_1);  l_x_ = view_default = view_default_1 = None
+    relu = torch.relu(linear);  linear = None
+    gather_bucket_1 = fsdp_pass_runtime_dbuffer_gather_bucket(bucket1_shard, (torch.float32, torch.float32, 2, GROUP, 1, None));  bucket1_shard = None
+    split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(gather_bucket_1, [40]);  gather_bucket_1 = None
+    getitem_2 = split_with_sizes_default_1[0];  split_with_sizes_default_1 = None
+    view_default_2 = torch.ops.aten.view.default(getitem_2, [4, 10]);  getitem_2 = None
+    linear_1 = torch._C._nn.linear(relu, view_default_2, None);  relu = view_default_2 = None
+    return (linear_1,)""")
+        finally:
+            dist.destroy_process_group()
