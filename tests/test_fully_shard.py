@@ -145,7 +145,8 @@ def _check_mesh_over_fewer_ranks_is_rejected(world: int) -> None:
     for mesh in (init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), DeviceMesh("cpu", [0, 1])):
         model = MLP()
         originals = _snapshot(model)
-        with pytest.raises(ValueError, match=f"fully_shard's mesh covers 2 ranks but the default process group has {world}"):
+        expected = f"fully_shard's mesh covers 2 ranks but the default process group has {world}"
+        with pytest.raises(ValueError, match=expected):
             fully_shard(model, mesh)
         _assert_untouched(model, originals)
 
