@@ -92,6 +92,19 @@ def _recompile_worker(rank: int, world: int) -> None:
         opt.zero_grad()
         calls.append(len(records()))
     assert calls[1] == calls[-1], f"backend calls per step: {calls}"
+    # Each rank holds 1/m of parameters, gradients and optimizer state (plus padding).
+    compiled(torch.randn(4, 19)).sum().backward()
+    total = sum(p.numel() for p in model.parameters())
+    local = torch.tensor(0)
+    for p in model.parameters():
+        n = p._local.numel()
+        assert p.grad._local.numel() == n
+        assert all(opt.state[p][k]._local.numel() == n for k in ("exp_avg", "exp_avg_sq"))
+        local += n
+    assert local.item() <= sum({id(b): b.layout.shard_size for b in (bucket_of(p)[0] for p in model.parameters())}.values())
+    dist.all_reduce(local)
+    assert local.item() == total
+    opt.zero_grad()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     buffers = {id(bucket_of(p)[0]) for p in model.parameters()}
     shards = {bucket_of(p)[0].shard.data_ptr() for p in model.parameters()}
@@ -222,7 +235,8 @@ def test_in_place_write_to_parameter_in_forward_raises():
             self.w = nn.Parameter(torch.ones(3))
 
         def forward(self, x):
-            self.w.add_(1)
+            with torch.no_grad():  # e.g. a weight renormalisation written inside forward
+                self.w.mul_(0.5)
             return x * self.w
 
     torch._dynamo.reset()
