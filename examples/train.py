@@ -294,10 +294,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="The default --compiler is aot_eager: on a 2-core CPU machine Inductor's C++ compile of "
-        "this model takes a large share of the 5-minute budget of the default run (measured; see "
-        "examples/README.md) and runs the steps no faster at these sizes. Use --compiler inductor on real "
-        "hardware.",
+        epilog="--compiler: inductor (the default) spends about 30 s compiling on a 2-core CPU machine, then "
+        "runs each step about twice as fast as aot_eager (measured on this model: 127 vs 259 ms per step "
+        "with 2 ranks), so it wins within the default run; aot_eager starts in a few seconds and suits "
+        "short debugging runs.",
     )
     m = p.add_argument_group("model")
     m.add_argument("--dim", type=int, default=128)
@@ -308,7 +308,7 @@ def parse_args(argv=None):
     m.add_argument("--seq-len", type=int, default=128)
     t = p.add_argument_group("training")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
-    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--steps", type=int, default=400)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay)")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 20)")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -320,12 +320,13 @@ def parse_args(argv=None):
     t.add_argument("--max-data-bytes", type=int, default=None, help="use only the first N training bytes")
     s = p.add_argument_group("sharding and compilation")
     s.add_argument("--mesh", default=None, help="ranks per mesh dim: 4 (FSDP) or 2x2 (HSDP: replicate x shard)")
-    s.add_argument("--compiler", choices=("inductor", "aot_eager"), default="aot_eager")
+    s.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                   help="what compiles the sharded graphs (see below)")
     s.add_argument("--no-reshard", action="store_true", help="keep gathered parameters from forward to backward")
     s.add_argument("--mp", choices=("none", "bf16"), default="none",
                    help="bf16: gather and compute in bf16, reduce gradients in fp32")
     s.add_argument("--bucket-size", type=int, default=None, help="most elements per communication bucket")
-    s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    s.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     o = p.add_argument_group("output")
     o.add_argument("--checkpoint-dir", default=None, help="rank 0 saves the full model state dict here at the end")
@@ -421,7 +422,7 @@ def main(argv=None) -> dict:
     evals: list[tuple[int, float]] = []
     mem = torch.zeros(d.world, dtype=torch.float64)
     bar = tqdm(total=args.steps, disable=d.rank != 0 or args.no_progress, desc="train", unit="step",
-               dynamic_ncols=True, file=sys.stderr)
+               dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from . import log
 from .options import Options
 from .passes.detect import block_sizes, find_parameters
 from .passes.rewrite import copy_dynamo_graph, rewrite_parameters
-from .passes.schedule import tag_reshard_after_forward
+from .passes.schedule import schedule_overlap, tag_reshard_after_forward
 from .passes.shard import assign_buckets
 from .runtime.agreement import check_ranks_agree
 from .runtime.dbuffer import DBuffer
@@ -59,17 +59,23 @@ def _readable(gm: fx.GraphModule) -> str:
 
 
 def _capture(record: CompiledGraph, stage: str | None = None, compiler: Callable | None = None) -> Callable:
-    """A graph compiler that records the graph it is given, then runs ``compiler`` (default: as is)."""
+    """A graph compiler that schedules and records the graph it is given, then runs ``compiler`` (default: as is)."""
+    opts = record.options
 
     def compile_stage(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
         name = stage or ("backward" if kwargs.get("is_backward") else
                          "inference" if kwargs.get("is_inference") else "forward")
+        schedule_overlap(gm, opts.prefetch, opts.max_inflight_bytes)
         record.graphs[name] = _readable(gm)
         record.modules[name] = gm
         log.graph(name, record.graphs[name])
-        if compiler is not None:
-            return compiler(gm, example_inputs, **kwargs)
-        return make_boxed_func(gm.forward)
+        if compiler is None:
+            return make_boxed_func(gm.forward)
+        compiled = compiler(gm, example_inputs, **kwargs)
+        code = getattr(compiled, "source_code", None)  # Inductor's generated code: the final schedule
+        if code:
+            record.graphs[name + " (inductor code)"] = code
+        return compiled
 
     return compile_stage
 
@@ -87,7 +93,10 @@ def _compile(gm: fx.GraphModule, inputs: list, opts: Options, record: CompiledGr
             return backend(gm, inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        return compile_fx(gm, inputs, inner_compile=_capture(record, compiler=compile_fx_inner))
+        # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
+        # from pulling waits up to their collectives.
+        patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
+        return compile_fx(gm, inputs, inner_compile=_capture(record, compiler=compile_fx_inner), config_patches=patches)
 
 
 @register_backend

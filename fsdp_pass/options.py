@@ -27,6 +27,10 @@ class Options:
         block_sizes: ``{fnmatch pattern on parameter names: rows}`` (or ``{"elements": n}``): blocks
             that no rank boundary may cut.
         align_bytes: tensor starts and shard sizes are multiples of this many bytes (default 16).
+        prefetch: issue each all_gather this many buckets ahead of its use (default 1; 0 turns the
+            overlap scheduling off).
+        max_inflight_bytes: most bytes of gathered buckets in flight at once when prefetching
+            (default: no bound).
     """
 
     mesh: Any = None
@@ -38,9 +42,11 @@ class Options:
     bucket_size: int | None = None
     block_sizes: Mapping[str, Any] = field(default_factory=dict)
     align_bytes: int = 16
+    prefetch: int = 1
+    max_inflight_bytes: int | None = None
 
     _NAMES = ("mesh", "shard_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
-              "block_sizes", "align_bytes")
+              "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -65,6 +71,8 @@ class Options:
             dtype = getattr(made, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"mp_policy {name} must be a floating torch.dtype, got {dtype!r}")
+        if made.prefetch < 0:
+            raise ValueError(f"options['prefetch'] must be >= 0 buckets, got {made.prefetch}")
         if made.bucket_size is not None and made.bucket_size < 1:
             raise ValueError(f"options['bucket_size'] must be a positive element count, got {made.bucket_size}")
         return made

@@ -1,8 +1,15 @@
-"""Pass 4 (joint graph): reshard after forward.
+"""Pass 4: reshard after forward (joint graph) and overlap scheduling (forward and backward graphs).
 
-Without tags the partitioner saves views of every gathered bucket for backward, which keeps all
-unsharded parameters alive until backward (ZeRO-2 memory). Tagging the gather chains
+Reshard: without tags the partitioner saves views of every gathered bucket for backward, which keeps
+all unsharded parameters alive until backward (ZeRO-2 memory). Tagging the gather chains
 ``MUST_RECOMPUTE`` makes the forward save only the shards; backward gathers again.
+
+Overlap: in each forward/backward graph, every all_gather is issued ``prefetch`` buckets ahead (before
+the wait of the bucket ``prefetch`` places earlier, so it runs while that bucket computes), unless the
+gathered buffers in flight would exceed ``max_inflight_bytes``; every reduce_scatter stays right
+after its bucket's last gradient and its wait sinks to just before the next bucket's
+reduce_scatter, so it overlaps that bucket's backward compute. The functional
+collectives run asynchronously until their ``wait_tensor``: the graph order is the schedule.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["tag_reshard_after_forward", "GATHER_CHAIN_OPS"]
+__all__ = ["GATHER_CHAIN_OPS", "schedule_overlap", "tag_reshard_after_forward"]
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -55,4 +62,76 @@ def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None) -> fx.Graph
         for n in chain:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = _RECOMPUTE_GRAPH_ID
+    return gm
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _wait_of(node: fx.Node) -> fx.Node | None:
+    return next((u for u in node.users if u.target is _c10d.wait_tensor.default), None)
+
+
+def _inputs_to_move(node: fx.Node) -> list[fx.Node]:
+    """The cast feeding an all_gather, if any: it moves with it (shards are graph inputs)."""
+    source = node.args[0]
+    if isinstance(source, fx.Node) and source.op != "placeholder":
+        if all(isinstance(a, fx.Node) and a.op == "placeholder" for a in source.all_input_nodes):
+            return [source]
+        return []  # produced by compute: cannot move earlier than its producer
+    return []
+
+
+def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: int | None) -> None:
+    gathers = list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    for k in range(prefetch, len(gathers)):
+        node, earlier = gathers[k], gathers[k - prefetch]
+        earlier_wait = _wait_of(earlier)
+        if earlier_wait is None:
+            continue
+        in_flight = sum(_nbytes(g) for g in gathers[k - prefetch:k + 1])
+        if max_inflight_bytes is not None and in_flight > max_inflight_bytes:
+            continue  # prefetching would hold too many gathered buckets at once
+        deps = _inputs_to_move(node)
+        if isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder" and not deps:
+            continue
+        for n in (*deps, node):
+            earlier_wait.prepend(n)
+
+
+def _sink_reduce_scatter_waits(graph: fx.Graph) -> None:
+    """Move each reduce_scatter's wait (and what only consumes its result) down to just before the
+    next reduce_scatter, so it overlaps the next bucket's backward compute while at most two
+    gradient buckets are in flight."""
+    (output,) = graph.find_nodes(op="output")
+    scatters = list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default))
+    for rs, next_rs in zip(scatters, [*scatters[1:], output]):
+        wait = _wait_of(rs)
+        if wait is None:
+            continue
+        chain, frontier = [wait], [wait]
+        while frontier:  # what consumes the reduced shard before it leaves the graph (average, cast, all_reduce)
+            for user in frontier.pop().users:
+                if user is not output and user not in chain:
+                    chain.append(user)
+                    frontier.append(user)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if any(inp not in chain and order[inp] > order[wait] for n in chain for inp in n.all_input_nodes):
+            continue  # the chain needs something computed later: leave it where autograd put it
+        if any(order[n] > order[next_rs] for n in chain):
+            continue  # already later than the target
+        for n in sorted(chain, key=order.__getitem__):
+            next_rs.prepend(n)
+
+
+def schedule_overlap(gm: fx.GraphModule, prefetch: int = 1, max_inflight_bytes: int | None = None) -> fx.GraphModule:
+    """Reorder ``gm`` (a forward or backward graph) for communication/compute overlap; ``prefetch=0`` is a no-op."""
+    if prefetch <= 0:
+        return gm
+    _prefetch_all_gathers(gm.graph, prefetch, max_inflight_bytes)
+    _sink_reduce_scatter_waits(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
     return gm

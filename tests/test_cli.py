@@ -1,0 +1,169 @@
+"""``python -m fsdp_pass``: the offline planner (``plan``) and the graph viewer (``explain``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_pass import set_block
+from fsdp_pass.cli import block_elements, fake_process_group, main, plan_model
+from fsdp_pass.fully_shard import fully_shard
+from fsdp_pass.model_configs import build_meta_model, load_model, total_params
+from fsdp_pass.runtime.sharding import bucket_of
+
+TESTS = Path(__file__).resolve().parent
+
+
+class Tiny(nn.Module):
+    """A user model for ``--model test_cli:tiny_model``: two repeated blocks, a top-level head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(2))
+        self.head = nn.Linear(24, 10, bias=False)
+
+
+def tiny_model() -> nn.Module:
+    return Tiny()
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m fsdp_pass ARGS`` in a fresh process (its fake process group stays there)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "fsdp_pass", *args], capture_output=True, text=True,
+                            timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
+    started = time.perf_counter()
+    out = json.loads(_cli("plan", "--model", "llama3-70b", "--world-size", "16384", "--json").stdout)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 60, f"plan took {elapsed:.1f} s"
+    for key in ("model", "world_size", "mesh_shape", "params", "padding", "buckets", "per_rank_bytes",
+                "comm_bytes_per_rank", "seconds"):
+        assert key in out
+    assert set(out["per_rank_bytes"]) == {"params", "grads", "optimizer", "gathered_peak", "total"}
+    m, total, padding = 16384, total_params("llama3-70b"), out["padding"]["elements"]
+    assert out["params"] == total
+    assert (total + padding) % m == 0
+    assert out["per_rank_bytes"]["params"] == (total + padding) // m * torch.bfloat16.itemsize
+    assert out["buckets"]["count"] == 81  # 80 layers + the top-level parameters
+    # Ring all-gather: each rank sends (m-1)/m of the gathered model.
+    assert out["comm_bytes_per_rank"]["all_gather_forward"] == (m - 1) * out["per_rank_bytes"]["params"]
+
+
+def test_plan_hsdp_shards_over_the_last_mesh_dim():
+    out = json.loads(_cli("plan", "--model", "llama3-8b", "--mesh-shape", "2x64", "--json").stdout)
+    assert (out["shard_size"], out["replicate_size"], out["world_size"]) == (64, 2, 128)
+    total, padding = total_params("llama3-8b"), out["padding"]["elements"]
+    assert out["per_rank_bytes"]["params"] == (total + padding) // 64 * 2
+    # Ring all-reduce of the gradient shard over 2 replicas sends 2 * (2-1)/2 of it.
+    assert out["comm_bytes_per_rank"]["all_reduce_replicas"] == out["per_rank_bytes"]["grads"]
+
+
+def test_plan_of_a_user_module_factory():
+    out = json.loads(_cli("plan", "--model", "test_cli:tiny_model", "--world-size", "4", "--param-dtype", "fp32",
+                          "--json").stdout)
+    assert out["params"] == sum(p.numel() for p in Tiny().parameters())
+    assert out["buckets"]["count"] == 3  # blocks.0, blocks.1, head
+    assert [b["copies"] for b in out["buckets"]["distinct"]] == [2, 1]
+    assert out["per_rank_bytes"]["params"] == (out["params"] + out["padding"]["elements"]) // 4 * 4
+
+
+def test_plan_text_output_names_every_section():
+    text = _cli("plan", "--model", "llama3-8b", "--world-size", "256", "--block-policy", "16row").stdout
+    for line in ("parameters", "padding", "buckets", "per-rank memory", "optimizer", "gathered (peak)",
+                 "communication per step", "reduce_scatter", "planned in"):
+        assert line in text
+
+
+def test_explain_prints_the_rewritten_and_compiled_graphs():
+    out = _cli("explain", "--world-size", "2").stdout
+    assert "all_gather_into_tensor" in out
+    assert "reduce_scatter_tensor" in out
+    for stage in ("rewritten", "forward", "backward"):
+        assert f": {stage} =====" in out
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "plan" in text and "explain" in text
+    for command in ("plan", "explain"):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        assert "--world-size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "llama3-8b", "--world-size", "8", "--mesh-shape", "2x8"], "covers 16 ranks"),
+    (["plan", "--model", "llama3-9b", "--world-size", "8"], "unknown model"),
+    (["plan", "--model", "no_such_module:factory", "--world-size", "8"], "cannot load"),
+])
+def test_plan_errors_say_what_to_fix(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_planning_repeated_units_once_matches_sharding_the_whole_model():
+    """plan_model shards one copy of each distinct unit; the buckets must be those of the full model."""
+    options = dict(bucket_size=200_000_000, block_rows=16)
+    summary = plan_model(build_meta_model("llama3-8b"), (2, 32), **options)
+    planned = Counter()
+    for b in summary.buckets:
+        planned[(b.tensors, b.numel, b.shard_size)] += b.copies
+
+    model = build_meta_model("llama3-8b")
+    for p in model.parameters():
+        set_block(p, elements=block_elements(tuple(p.shape), 16))
+    with fake_process_group(64):
+        fully_shard(model, init_device_mesh("cpu", (2, 32)), bucket_size=200_000_000)
+        buffers = {id(b): b for b in (bucket_of(p)[0] for p in model.parameters())}.values()
+        full = Counter((len(b.names), b.layout.numel, b.layout.shard_size) for b in buffers)
+    assert planned == full
+    assert summary.params == total_params("llama3-8b")
+
+
+def test_optimizer_state_covers_the_busiest_ranks_real_elements():
+    """One 3-element tensor that must not be cut, on 2 ranks: S = 4 (fp32 alignment), rank 0 holds it all."""
+
+    class Vector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v = nn.Parameter(torch.empty(3))
+
+    summary = plan_model(Vector(), (2,), block_rows=1, param_dtype=torch.float32)
+    mem = summary.per_rank_bytes()
+    assert mem["params"] == 4 * 4  # S = 4 elements, padding included
+    assert mem["optimizer"] == 3 * 2 * 4  # AdamW: 2 fp32 states for each of rank 0's 3 elements
+    assert mem["gathered_peak"] == 2 * 8 * 4
+
+
+def test_block_elements_takes_the_largest_dividing_row_count():
+    assert block_elements((2880, 4096), 128) == 120 * 4096  # 128 does not divide 2880 rows
+    assert block_elements((128, 2880, 5760), 16) == 16 * 5760  # leading dims flattened into rows
+    assert block_elements((64,), 128) == 64  # a 1-D tensor is one row
+    assert block_elements((4096, 4096), 0) == 1
+
+
+def test_load_model_builds_public_shapes_on_the_meta_device():
+    model = load_model("llama3-70b")
+    params = dict(model.named_parameters())
+    assert params["layers.79.mlp.down_proj.weight"].shape == (8192, 28672)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params.values())
+    assert sum(p.numel() for p in params.values()) == total_params("llama3-70b")

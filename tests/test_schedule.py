@@ -1,0 +1,96 @@
+"""The overlap schedule on compiled graphs: prefetch, early reduce-scatter, late waits, in-flight bound."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+
+from dist_harness import run_distributed
+from fsdp_pass.backend import records
+from models import MLP
+
+_c10d = torch.ops._c10d_functional
+_COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _position(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _nodes(gm: fx.GraphModule, op) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def _first_compute_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    pos = _position(gm)
+    return min((n for n in gm.graph.nodes if n.target in _COMPUTE and pos[n] > pos[node]), key=pos.__getitem__)
+
+
+def _wait(node: fx.Node) -> fx.Node:
+    return next(u for u in node.users if u.target is _c10d.wait_tensor.default)
+
+
+def _check_forward(fw: fx.GraphModule) -> None:
+    pos = _position(fw)
+    gathers = _nodes(fw, _c10d.all_gather_into_tensor.default)
+    assert len(gathers) == 3
+    for k in range(len(gathers) - 1):
+        compute_k = _first_compute_after(fw, _wait(gathers[k]))  # bucket k's first matmul
+        assert pos[gathers[k + 1]] < pos[compute_k], f"all_gather {k + 1} is not issued before bucket {k}'s compute"
+
+
+def _check_backward(bw: fx.GraphModule) -> None:
+    pos = _position(bw)
+    scatters = _nodes(bw, _c10d.reduce_scatter_tensor.default)
+    assert len(scatters) == 3
+    for k in range(len(scatters) - 1):
+        # bucket k's reduce_scatter is in flight during bucket k+1's backward matmuls
+        compute_next = _first_compute_after(bw, scatters[k])
+        assert pos[compute_next] < pos[_wait(scatters[k])] < pos[scatters[k + 1]]
+
+
+def _max_in_flight_gathered_bytes(gm: fx.GraphModule) -> int:
+    """Most bytes of gathered buckets issued and not yet waited on, at any point of the graph order."""
+    in_flight, worst = {}, 0
+    for node in gm.graph.nodes:
+        if node.target is _c10d.all_gather_into_tensor.default:
+            in_flight[node] = node.meta["val"].numel() * node.meta["val"].element_size()
+        elif node.target is _c10d.wait_tensor.default:
+            in_flight.pop(node.args[0], None)
+        worst = max(worst, sum(in_flight.values()))
+    return worst
+
+
+def _schedule_worker(rank: int, world: int, compiler: str) -> None:
+    torch._dynamo.reset()
+    before = len(records())
+    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler})
+    compiled(torch.randn(4, 19)).sum().backward()
+    (record,) = records()[before:]
+    _check_forward(record.modules["forward"])
+    _check_backward(record.modules["backward"])
+    if compiler == "inductor":
+        # Inductor keeps the order: the second all_gather is issued before the first addmm runs.
+        code = record.graphs["forward (inductor code)"]
+        calls = re.findall(r"^\s*(?:\w+ = )?(?:torch\.ops\._c10d_functional\.)?(all_gather_into_tensor|wait_tensor|"
+                           r"extern_kernels\.addmm)(?:\.default)?\(", code, re.M)
+        assert calls[:4] == ["all_gather_into_tensor", "all_gather_into_tensor", "wait_tensor",
+                             "extern_kernels.addmm"], calls
+
+    # A bound below two buckets disables prefetch wherever it would exceed it.
+    torch._dynamo.reset()
+    before = len(records())
+    bound = 880 * 4  # bytes of the largest bucket (37x23 + 23 + padding, fp32): one bucket at a time
+    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler, "max_inflight_bytes": bound})
+    compiled(torch.randn(4, 19)).sum().backward()
+    (record,) = records()[before:]
+    for stage in ("forward", "backward"):
+        assert _max_in_flight_gathered_bytes(record.modules[stage]) <= bound
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_overlap_schedule(compiler):
+    run_distributed(_schedule_worker, 2, compiler)
