@@ -100,9 +100,10 @@ class BucketStats:
 class PlanSummary:
     """What ``fully_shard`` made of a model on a mesh, and what it costs each rank per step.
 
-    Assumptions: parameters and gradient shards are stored in ``param_dtype``; optimizer states are
-    fp32 and cover each rank's real elements (padding excluded, as torch.optim allocates them per
-    local piece); the busiest rank is reported. Peak gathered memory is the largest bucket, twice
+    Assumptions: parameter and gradient shards keep the model's dtype (the CLI builds the model in
+    ``--param-dtype``), gathers and their traffic use ``param_dtype``; optimizer states are fp32 and
+    cover each rank's real elements (padding excluded, as torch.optim allocates them per local
+    piece); the busiest rank is reported. Peak gathered memory is the largest bucket, twice
     (one in use and one prefetched). Communication is ring cost: per collective each rank sends
     ``(m-1)/m`` of the gathered (or reduced) bytes and receives as much; an HSDP all-reduce over
     ``r`` replicas sends ``2(r-1)/r`` of the gradient shard.
@@ -117,7 +118,7 @@ class PlanSummary:
     bucket_size: int | None
     reshard_after_forward: bool
     buckets: tuple[BucketStats, ...]
-    least_padding_on_a_rank: int  # trainable buckets only: the busiest rank's optimizer shortfall from S
+    least_padding_on_a_rank: int  # fewest padding elements one rank holds in trainable buckets
     seconds: float
 
     @property
@@ -315,11 +316,11 @@ def plan_model(
         fully_shard(distinct, init_device_mesh("cpu", mesh_shape), bucket_size=bucket_size)
         buffers = sorted({id(b): b for b in (bucket_of(p)[0] for p in distinct.parameters())}.values(),
                          key=lambda b: b.index)
-    stats = [
-        BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
-                    buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad)
-        for buf in buffers
-    ]
+        stats = [
+            BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
+                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad)
+            for buf in buffers
+        ]
     trainable = [(buf, s.copies) for buf, s in zip(buffers, stats) if s.trainable]
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
@@ -387,9 +388,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         model = load_model(args.model, param_dtype)
-    except (ValueError, TypeError) as e:
+        summary = plan_model(model, mesh_shape, name=args.model, **options)
+    except (ValueError, TypeError) as e:  # a model or option fsdp_pass cannot shard: say why, no traceback
         raise SystemExit(f"plan: {e}") from None
-    summary = plan_model(model, mesh_shape, name=args.model, **options)
     # Report the whole run, model construction included.
     summary = dataclasses.replace(summary, seconds=time.perf_counter() - started)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.to_text())

@@ -121,7 +121,17 @@ class RaggedShard:
             )
 
     def __repr__(self) -> str:
-        return f"RaggedShard(block={self.block}, local_units={list(self.local_units)})"
+        if self.world_size <= 16:
+            return f"RaggedShard(block={self.block}, local_units={list(self.local_units)})"
+        # Thousands of ranks: run-length encode, "4x1020" = 1020 ranks holding 4 blocks each.
+        runs: list[list[int]] = []
+        for u in self.local_units:
+            if runs and runs[-1][0] == u:
+                runs[-1][1] += 1
+            else:
+                runs.append([u, 1])
+        text = ", ".join(f"{u}x{n}" if n > 1 else str(u) for u, n in runs)
+        return f"RaggedShard(block={self.block}, local_units=[{text}] over {self.world_size} ranks)"
 
 
 def _block_count(numel: int, block: int, name: str, shape: tuple[int, ...] | None = None) -> int:

@@ -101,6 +101,8 @@ def test_equality_and_hash_are_by_value():
 
 def test_repr_shows_block_and_units():
     assert repr(RaggedShard(128, (3, 0, 1))) == "RaggedShard(block=128, local_units=[3, 0, 1])"
+    many = RaggedShard(1, (4,) * 1020 + (2, 0, 0, 0))
+    assert repr(many) == "RaggedShard(block=1, local_units=[4x1020, 2, 0x3] over 1024 ranks)"
 
 
 @pytest.mark.parametrize(
