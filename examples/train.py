@@ -294,10 +294,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="--compiler: inductor (the default) spends about 30 s compiling on a 2-core CPU machine, then "
-        "runs each step about twice as fast as aot_eager (measured on this model: 127 vs 259 ms per step "
-        "with 2 ranks), so it wins within the default run; aot_eager starts in a few seconds and suits "
-        "short debugging runs.",
+        epilog="--compiler: inductor (the default) spends 30-75 s compiling on a 2-core CPU machine, then "
+        "runs each step about twice as fast as aot_eager (measured on the default model with 2 ranks: "
+        "127 vs 259 ms per step), so it wins within the default run (about 2-4 minutes on 2 cores); "
+        "aot_eager starts in a few seconds and suits short runs and debugging.",
     )
     m = p.add_argument_group("model")
     m.add_argument("--dim", type=int, default=128)
@@ -308,7 +308,7 @@ def parse_args(argv=None):
     m.add_argument("--seq-len", type=int, default=128)
     t = p.add_argument_group("training")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
-    t.add_argument("--steps", type=int, default=400)
+    t.add_argument("--steps", type=int, default=300)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay)")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 20)")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..placement import RaggedShard, transfer_splits
-from . import collectives
+from . import checkpoint, collectives
 
 __all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor"]
 
@@ -173,6 +173,16 @@ class RaggedShardTensor(torch.Tensor):
         return self._spec.mesh
 
     # -- traceable wrapper subclass protocol -------------------------------------------------
+    # -- distributed checkpoint (torch.distributed.checkpoint saves and loads local pieces) ------
+    def __create_write_items__(self, fqn: str, obj: "RaggedShardTensor"):
+        return checkpoint.create_write_items(fqn, obj)
+
+    def __create_chunk_list__(self):
+        return checkpoint.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        return checkpoint.get_tensor_shard(self, index)
+
     def __tensor_flatten__(self) -> tuple[list[str], RaggedSpec]:
         return ["_local"], self._spec
 
@@ -189,6 +199,8 @@ class RaggedShardTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _pieces_are_fake(args, kwargs) and _mixes_with_plain_tensors(args, kwargs):
+            return _run_on_full_shape_stand_ins(func, args, kwargs)  # Dynamo tracing model code
         special = _SPECIAL_HANDLERS.get(func)
         if special is not None:
             return special(func, args, kwargs)
@@ -277,6 +289,11 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
 def _pieces_are_fake(args, kwargs) -> bool:
     leaves, _ = tree_flatten((args, kwargs))
     return any(isinstance(t, RaggedShardTensor) and isinstance(t._local, FakeTensor) for t in leaves)
+
+
+def _mixes_with_plain_tensors(args, kwargs) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and not isinstance(t, RaggedShardTensor) and t.dim() > 0 for t in leaves)
 
 
 def _run_on_full_shape_stand_ins(func, args, kwargs):

@@ -1,0 +1,185 @@
+"""Run an optimizer's per-block math where whole blocks live; gather to a root where they are cut.
+
+Muon, Shampoo and 8-bit Adam each compute part of their update on *blocks* of a parameter that
+must be seen whole (a whole matrix, a panel of rows, 256 elements). In the RaggedShard format a
+rank holds one contiguous flat range of each parameter, so:
+
+* if every rank boundary inside the parameter falls on a block boundary (the planner kept the
+  block, e.g. because the optimizer annotated it with ``set_block``), each rank runs the math on
+  its own piece: no communication at all;
+* otherwise the input is redistributed to one *root* rank (one uneven all-to-all), the root runs
+  the math on the whole tensor, and the result is redistributed back (a second all-to-all). Roots
+  are chosen to balance the estimated compute over the ranks.
+
+Either way the math sees exactly the blocks a single process would see, so results match a
+single-process run bitwise. Plain (unsharded) tensors are the single-process case.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..passes.detect import set_block
+from ..placement import RaggedShard
+from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
+
+__all__ = [
+    "BlockJob",
+    "annotate_block",
+    "flat_piece",
+    "layout_of",
+    "respects_blocks",
+    "run_on_whole_blocks",
+    "warn_gathered",
+]
+
+# (parameter, this rank's flat input piece, layout of that piece or None) -> flat output piece
+BlockCompute = Callable[[Tensor, Tensor, "RaggedSpec | None"], Tensor]
+
+
+def flat_piece(t: Tensor) -> Tensor:
+    """This rank's flat piece of ``t``: the local piece of a RaggedShardTensor, or ``t`` flattened (a view)."""
+    return t._local if isinstance(t, RaggedShardTensor) else t.detach().view(-1)
+
+
+def layout_of(t: Tensor) -> RaggedSpec | None:
+    """The RaggedShard layout of ``t``; ``None`` for a plain tensor (one process holds it whole)."""
+    return t._spec if isinstance(t, RaggedShardTensor) else None
+
+
+def annotate_block(param: Tensor, *, rows: int | None = None, elements: int | None = None) -> None:
+    """``set_block`` on a parameter that is not sharded yet, so a later shard keeps the block whole.
+
+    An already sharded parameter keeps its layout (blocks cut by it are handled by gathering).
+    """
+    if not isinstance(param, RaggedShardTensor):
+        set_block(param, rows=rows, elements=elements)
+
+
+def respects_blocks(layout: RaggedSpec | None, block: int) -> bool:
+    """Whether every rank boundary inside the tensor falls on a multiple of ``block`` elements.
+
+    The tensor's end also counts as a boundary, so a partial last block is fine.
+    """
+    if layout is None or layout.world_size == 1:
+        return True
+    numel = layout.placement.numel
+    return all(start % block == 0 or start == numel for start, _ in layout.placement.ranges())
+
+
+@dataclass
+class BlockJob:
+    """One parameter's input to a per-block computation.
+
+    Attributes:
+        param: the parameter (the key of its optimizer state).
+        piece: this rank's flat piece of the input (for a plain tensor: all of it).
+        layout: layout of ``piece`` (``None`` for a plain tensor).
+        block: elements that must be seen together (counted from the parameter's start).
+        cost: estimated compute, used to balance roots.
+    """
+
+    param: Tensor
+    piece: Tensor
+    layout: RaggedSpec | None
+    block: int
+    cost: float
+
+    @property
+    def is_local(self) -> bool:
+        return respects_blocks(self.layout, self.block)
+
+
+def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tuple[list[Tensor], list[BlockJob]]:
+    """Run ``compute`` on whole blocks of every job; return each output in the job's layout.
+
+    ``compute(param, piece, layout)`` gets a flat piece made of whole blocks and the layout it
+    belongs to (``layout.local_range`` says where it starts), and returns a flat tensor of the same
+    numel. Every rank calls it for every job, with an empty piece where it holds nothing, so
+    optimizer state can be created symmetrically. Returns ``(outputs, gathered_jobs)``.
+    """
+    outputs: list[Tensor | None] = [None] * len(jobs)
+    for i, job in enumerate(jobs):
+        if job.is_local:
+            outputs[i] = compute(job.param, job.piece, job.layout)
+    roots = _balanced_roots(jobs)
+    gathered = []
+    for i, root in roots.items():
+        job = jobs[i]
+        layout = job.layout
+        numel = layout.placement.numel
+        on_root = RaggedShard.on_root(numel, layout.world_size, root)
+        whole = _wrap(job.piece, layout, layout.placement).redistribute(on_root)
+        result = compute(job.param, whole._local, whole._spec)
+        outputs[i] = _wrap(result, layout, on_root).redistribute(layout.placement)._local
+        gathered.append(job)
+    return outputs, gathered
+
+
+def _wrap(piece: Tensor, layout: RaggedSpec, placement: RaggedShard) -> RaggedShardTensor:
+    return RaggedShardTensor.from_local(piece, layout.mesh, placement, layout.shape, layout.mesh_dim)
+
+
+def _balanced_roots(jobs: Sequence[BlockJob]) -> dict[int, int]:
+    """A root rank for every job whose layout cuts its blocks, balancing compute per process group.
+
+    Greedy longest-processing-time: the costliest job first, onto the rank with the least work so
+    far (work a rank already does on its own blocks counts), ties to the rank holding the most of
+    the tensor (fewer bytes move), then the lowest rank. Every rank computes the same answer from
+    global layouts alone.
+    """
+    by_group: dict[tuple, list[int]] = {}
+    for i, job in enumerate(jobs):
+        if job.layout is not None:
+            by_group.setdefault((job.layout.mesh, job.layout.mesh_dim), []).append(i)
+    roots: dict[int, int] = {}
+    for indices in by_group.values():
+        world = jobs[indices[0]].layout.world_size
+        load = [0.0] * world
+        for i in indices:
+            if jobs[i].is_local:
+                _add_held_work(load, jobs[i])
+        for i in sorted((i for i in indices if not jobs[i].is_local), key=lambda i: -jobs[i].cost):
+            held = [jobs[i].layout.placement.local_numel(r) for r in range(world)]
+            root = min(range(world), key=lambda r: (load[r], -held[r], r))
+            load[root] += jobs[i].cost
+            roots[i] = root
+    return dict(sorted(roots.items()))
+
+
+def _add_held_work(load: list[float], job: BlockJob) -> None:
+    placement = job.layout.placement
+    if placement.numel:
+        for r in range(len(load)):
+            load[r] += job.cost * placement.local_numel(r) / placement.numel
+
+
+def warn_gathered(optimizer: torch.optim.Optimizer, jobs: Iterable[BlockJob], needed: str, warned: set[int]) -> None:
+    """Warn once per parameter that its layout cuts the blocks the optimizer needs (``needed``)."""
+    new = [job.param for job in jobs if id(job.param) not in warned]
+    if not new:
+        return
+    warned.update(id(p) for p in new)
+    names = ", ".join(_describe(optimizer, p) for p in new)
+    warnings.warn(
+        f"{type(optimizer).__name__}: the sharded layout of {names} cuts {needed}, so every step gathers "
+        f"each of them to one rank and scatters the result back (two all-to-alls per parameter). Build "
+        f"the optimizer before sharding (fully_shard / torch.compile) so its block annotation shapes the "
+        f"layout and the step needs no communication",
+        stacklevel=3,
+    )
+
+
+def _describe(optimizer: torch.optim.Optimizer, param: Tensor) -> str:
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p is param:
+                names = group.get("param_names")
+                where = repr(names[i]) if names else f"param_groups[{g}]['params'][{i}]"
+                return f"{where} (shape {tuple(p.shape)})"
+    return f"a parameter of shape {tuple(param.shape)}"

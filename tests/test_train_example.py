@@ -1,0 +1,97 @@
+"""examples/train.py end to end: 2 ranks under torchrun and 1 plain process, a few steps of a small model.
+
+Both runs use aot_eager: a cold Inductor compile takes about a minute on a 2-core machine, more than this
+test's budget; the example's Inductor path is the same backend call that tests/test_backend.py covers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train.py"
+SMALL = ["--steps", "30", "--eval-every", "15", "--eval-batches", "2", "--dim", "64", "--layers", "2",
+         "--heads", "4", "--seq-len", "64", "--global-batch", "8", "--lr", "3e-3", "--compiler", "aot_eager"]
+SUMMARY_ROWS = ("steps", "final train loss", "eval loss", "tokens/s", "step time median",
+                "peak memory per rank", "padding", "parameters per rank")
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(args)} exited with {proc.returncode} after {time.monotonic() - start:.0f}s\n"
+        f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    )
+    return proc
+
+
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line (rank 0 only), got {len(lines)}:\n{stdout[-4000:]}"
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def _check_summary(stdout: str) -> None:
+    table = stdout[stdout.index("\nsummary\n"):]
+    for row in SUMMARY_ROWS:
+        assert any(line.startswith(row) and "|" in line for line in table.splitlines()), f"summary lacks {row!r}:\n{table}"
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("train_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_and_one_process_train_the_same_model(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    two = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE), *SMALL,
+                "--checkpoint-dir", str(ckpt)])
+    result = _result(two.stdout)
+    _check_summary(two.stdout)
+    assert "bucket 0:" in two.stdout and "collectives per step" in two.stdout, "plan summary missing"
+    assert "loss=" in two.stderr and "tok/s=" in two.stderr, "no progress bar on stderr"
+
+    assert result["world_size"] == 2 and result["mesh"] == [2] and result["steps"] == 30
+    assert 5.3 < result["first_loss"] < 5.8, result  # ~ ln 256 at initialisation
+    assert result["final_train_loss"] < result["first_loss"] - 1.5, result
+    assert result["eval_loss"] < result["first_loss"] - 1.5, result
+    assert [step for step, _ in result["evals"]] == [15, 30]
+    # Every real element lives on exactly one rank; each rank holds a (padded) shard of the same size.
+    assert sum(result["parameters_per_rank"]) == result["parameters"]
+    assert result["shard_elements_per_rank"] * 2 >= result["parameters"]
+    assert len(result["peak_memory_bytes"]) == 2 and min(result["peak_memory_bytes"]) > 0
+    assert result["tokens_per_s"] > 0 and result["step_time_median_s"] > 0
+
+    # The checkpoint holds the whole model: reloaded into a plain model it gives the same held-out loss.
+    train = _load_example()
+    saved = torch.load(ckpt / "model.pt")
+    model = train.Llama(train.ModelConfig(**saved["config"]))
+    model.load_state_dict(saved["model"])
+    _, held, _ = train.load_corpus()
+    eval_loss = train.evaluate(model, held, train.parse_args(SMALL), train.Dist())
+    assert abs(eval_loss - result["eval_loss"]) < 1e-4 * result["eval_loss"], (eval_loss, result["eval_loss"])
+
+    # One plain process (no process group) trains the same model to the same losses.
+    one = _run([str(EXAMPLE), *SMALL, "--no-progress"])
+    single = _result(one.stdout)
+    _check_summary(one.stdout)
+    assert single["world_size"] == 1 and single["mesh"] is None
+    assert single["parameters_per_rank"] == [single["parameters"]]
+    for key in ("first_loss", "final_train_loss", "eval_loss"):
+        assert single[key] == pytest.approx(result[key], rel=1e-4), key
