@@ -1,8 +1,9 @@
 """``python -m fsdp_pass``: plan a model's sharding offline, or show what the backend does to a small model.
 
-``plan`` shards a meta-device model with :func:`fsdp_pass.fully_shard` on a single-process fake
-process group of any world size (no data, no collectives) and reports buckets, padding, per-rank
-memory and communication per step. ``explain`` compiles a small built-in model with the ``"vescale"``
+``plan`` shards a meta-device copy of a model as :func:`fsdp_pass.fully_shard` does (its
+bucketing, planner and DBuffers, without initializing values) on a single-process fake process
+group of any world size (no data, no collectives) and reports buckets, padding, per-rank memory
+and communication per step. ``explain`` compiles a small built-in model with the ``"vescale"``
 backend on a fake process group, runs one forward and backward, and prints :func:`fsdp_pass.explain`.
 """
 
@@ -22,11 +23,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .explain import explain
-from .fully_shard import fully_shard
-from .model_configs import MODELS, TinyTransformer, load_model, module_tree
-from .passes.detect import set_block
+from .model_configs import MODELS, TinyTransformer, load_model
 from .runtime.dbuffer import DBuffer
-from .runtime.sharding import bucket_of, unit_key
+from .runtime.mesh import resolve_mesh
+from .runtime.sharding import ShardingConfig, shard_parameters, unit_key
 
 __all__ = ["BucketStats", "PlanSummary", "block_elements", "main", "plan_model"]
 
@@ -98,7 +98,7 @@ class BucketStats:
 
 @dataclasses.dataclass(frozen=True)
 class PlanSummary:
-    """What ``fully_shard`` made of a model on a mesh, and what it costs each rank per step.
+    """How ``fully_shard`` shards a model on a mesh, and what it costs each rank per step.
 
     Assumptions: parameter and gradient shards keep the model's dtype (the CLI builds the model in
     ``--param-dtype``), gathers and their traffic use ``param_dtype``; optimizer states are fp32 and
@@ -148,7 +148,8 @@ class PlanSummary:
         grads = sum(b.copies * b.shard_size * b.itemsize for b in trainable)
         real_elements = sum(b.copies * b.shard_size for b in trainable) - self.least_padding_on_a_rank
         optimizer = OPTIMIZER_STATES[self.optimizer] * OPTIMIZER_STATE_BYTES * real_elements
-        gathered = PREFETCHED_BUCKETS * max((b.global_size * self.param_dtype.itemsize for b in self.buckets), default=0)
+        largest = max((b.global_size for b in self.buckets), default=0)
+        gathered = PREFETCHED_BUCKETS * largest * self.param_dtype.itemsize
         return {"params": params, "grads": grads, "optimizer": optimizer, "gathered_peak": gathered,
                 "total": params + grads + optimizer + gathered}
 
@@ -220,7 +221,8 @@ class PlanSummary:
             f"  parameters       {_size(mem['params'])}",
             f"  gradients        {_size(mem['grads'])}",
             f"  optimizer        {_size(mem['optimizer'])}   ({self.optimizer}: {states} fp32 states per element)",
-            f"  gathered (peak)  {_size(mem['gathered_peak'])}   (largest bucket x{PREFETCHED_BUCKETS}: in use + prefetched)",
+            f"  gathered (peak)  {_size(mem['gathered_peak'])}   "
+            f"(largest bucket x{PREFETCHED_BUCKETS}: in use + prefetched)",
             f"  total            {_size(mem['total'])}",
         ]
         comm = self.comm_bytes_per_rank()
@@ -229,7 +231,8 @@ class PlanSummary:
             f"  all_gather forward       {_size(comm['all_gather_forward'])}",
             f"  all_gather backward      {_size(comm['all_gather_backward'])}"
             f"   ({'reshard after forward' if self.reshard_after_forward else 'kept from forward'})",
-            f"  reduce_scatter           {_size(comm['reduce_scatter'])}   ({_dtype_name(self.reduce_dtype)} gradients)",
+            f"  reduce_scatter           {_size(comm['reduce_scatter'])}   "
+            f"({_dtype_name(self.reduce_dtype)} gradients)",
         ]
         if r > 1:
             lines.append(f"  all_reduce (replicas)    {_size(comm['all_reduce_replicas'])}")
@@ -294,7 +297,7 @@ def plan_model(
     optimizer: str = "adamw",
     reshard_after_forward: bool = True,
 ) -> PlanSummary:
-    """Shard (a meta copy of) ``model`` with ``fully_shard`` on a fake mesh of ``mesh_shape`` and summarize.
+    """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
     ``model`` itself is left untouched; it must not need a process group of its own. A 2-D
     ``mesh_shape`` is ``(replicate, shard)`` (HSDP). ``block_rows``: see :func:`block_elements`.
@@ -305,17 +308,14 @@ def plan_model(
     named = list(model.named_parameters())
     blocks = {n: block_elements(tuple(p.shape), block_rows) for n, p in named}
     units = _repeated_units(named, blocks)
-
-    def meta_copy(n: str, p: nn.Parameter) -> nn.Parameter:
-        copy = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-        return set_block(copy, elements=blocks[n]) if blocks[n] > 1 else copy
-
-    distinct = module_tree((n, meta_copy(n, p)) for _, members in units for n, p in members)
+    # Fresh meta parameters: the model is never touched, and nothing is allocated but the shards.
+    distinct = [(n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
+                for _, members in units for n, p in members]
     units_of_param = {n: tuple(names) for names, members in units for n, _ in members}
     with fake_process_group(math.prod(mesh_shape)):
-        fully_shard(distinct, init_device_mesh("cpu", mesh_shape), bucket_size=bucket_size)
-        buffers = sorted({id(b): b for b in (bucket_of(p)[0] for p in distinct.parameters())}.values(),
-                         key=lambda b: b.index)
+        # fully_shard's sharding step without its initialization of meta parameters (planning needs no values).
+        mesh = resolve_mesh(init_device_mesh("cpu", mesh_shape), argument="the planning mesh")
+        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size), blocks)
         stats = [
             BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
                         buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad)
@@ -362,11 +362,15 @@ def _mesh_shape(args: argparse.Namespace) -> tuple[int, ...]:
     try:
         shape = tuple(int(d) for d in args.mesh_shape.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--mesh-shape {args.mesh_shape!r}: write it as SHARD or REPLICATExSHARD, e.g. 2x8192") from None
+        raise SystemExit(
+            f"--mesh-shape {args.mesh_shape!r}: write it as SHARD or REPLICATExSHARD, e.g. 2x8192"
+        ) from None
     if len(shape) not in (1, 2) or min(shape) < 1:
         raise SystemExit(f"--mesh-shape {args.mesh_shape!r}: 1 or 2 positive sizes, e.g. 8192 or 2x8192")
     if args.world_size is not None and math.prod(shape) != args.world_size:
-        raise SystemExit(f"--mesh-shape {args.mesh_shape} covers {math.prod(shape)} ranks, not --world-size {args.world_size}")
+        raise SystemExit(
+            f"--mesh-shape {args.mesh_shape} covers {math.prod(shape)} ranks, not --world-size {args.world_size}"
+        )
     return shape
 
 
@@ -421,14 +425,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan", help="buckets, padding, per-rank memory and communication of a model at any world size",
-        description="Shard a meta-device model with fsdp_pass.fully_shard on a fake process group and report "
-                    "buckets, padding, per-rank memory and communication per step.",
+        description="Shard a meta-device copy of a model as fsdp_pass.fully_shard does, on a fake process "
+                    "group, and report buckets, padding, per-rank memory and communication per step.",
     )
     plan.add_argument("--model", required=True,
-                      help=f"a built-in config ({', '.join(MODELS)}) or module:factory (called under torch.device('meta'))")
+                      help=f"a built-in config ({', '.join(MODELS)}) or module:factory "
+                           f"(called under torch.device('meta'))")
     plan.add_argument("--world-size", type=int, help="ranks in all (default: the product of --mesh-shape)")
     plan.add_argument("--mesh-shape", help="SHARD or REPLICATExSHARD (HSDP), e.g. 2x8192")
-    plan.add_argument("--bucket-size", type=_element_count, help="most elements per bucket (default: one bucket per unit)")
+    plan.add_argument("--bucket-size", type=_element_count,
+                      help="most elements per bucket (default: one bucket per unit)")
     blocks = plan.add_mutually_exclusive_group()
     blocks.add_argument("--block-rows", type=int, help="blocks of N rows (last dim) that no rank boundary cuts")
     blocks.add_argument("--block-policy", choices=list(BLOCK_POLICIES), default="element",

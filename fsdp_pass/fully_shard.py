@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .passes.detect import block_size
 from .runtime.mesh import resolve_mesh
+from .runtime.meta_init import initialize_meta_parameters, meta_parameter_owners
 from .runtime.sharding import ShardingConfig, shard_parameters
 
 __all__ = ["fully_shard"]
@@ -28,8 +30,10 @@ def fully_shard(
     Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
     elements). Parameter objects keep their identity, so optimizers built earlier keep working;
     buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
-    Calling it again is a no-op. Run the module through ``torch.compile(module, backend="vescale")``:
-    eager calls on sharded parameters raise an error that says so.
+    Calling it again is a no-op. A model built under ``torch.device("meta")`` gets only its local
+    shards allocated, initialized by each module's ``reset_parameters`` one module at a time. Run
+    the module through ``torch.compile(module, backend="vescale")``: eager calls on sharded
+    parameters raise an error that says so.
 
     Args:
         module: the model.
@@ -42,5 +46,8 @@ def fully_shard(
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh")
     named = list(module.named_parameters(remove_duplicate=True))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    meta_ids = {id(p) for _, p in named if p.is_meta}
+    owners = meta_parameter_owners(module, meta_ids)  # before sharding: errors leave the module as is
     shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes), blocks)
+    initialize_meta_parameters(owners, meta_ids, torch.device(sharding_mesh.device_type))
     return module

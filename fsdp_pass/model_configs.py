@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,6 @@ __all__ = [
     "distinct_units",
     "load_model",
     "model_units",
-    "module_tree",
     "representative_layer",
     "total_params",
     "unit_numel",
@@ -232,26 +231,18 @@ def build_meta_model(model: str, dtype: torch.dtype = torch.bfloat16) -> nn.Modu
     ``layers.3.self_attn.q_proj.weight`` becomes parameter ``weight`` of submodule
     ``layers.3.self_attn.q_proj``. It has no forward: it exists to be planned and sharded.
     """
-    return module_tree(
-        (name, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
-        for _, params in model_units(model)
-        for name, shape in params
-    )
-
-
-def module_tree(named_params: Iterable[tuple[str, nn.Parameter]]) -> nn.Module:
-    """A forward-less module holding each parameter under its dotted name (submodules made as needed)."""
     root = nn.Module()
-    for name, param in named_params:
-        *path, leaf = name.split(".")
-        owner = root
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        owner.register_parameter(leaf, param)
+    for _, params in model_units(model):
+        for name, shape in params:
+            *path, leaf = name.split(".")
+            owner = root
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            owner.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
     return root
 
 

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_pass import set_block
 from fsdp_pass.cli import block_elements, fake_process_group, main, plan_model
-from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.model_configs import build_meta_model, load_model, total_params
-from fsdp_pass.runtime.sharding import bucket_of
-
-TESTS = Path(__file__).resolve().parent
+from fsdp_pass.runtime.mesh import resolve_mesh
+from fsdp_pass.runtime.sharding import ShardingConfig, shard_parameters
 
 
 class Tiny(nn.Module):
@@ -38,10 +33,9 @@ def tiny_model() -> nn.Module:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``python -m fsdp_pass ARGS`` in a fresh process (its fake process group stays there)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    """Run ``python -m fsdp_pass ARGS`` in a fresh process, as a user would (and away from this one's state)."""
     result = subprocess.run([sys.executable, "-m", "fsdp_pass", *args], capture_output=True, text=True,
-                            timeout=timeout, env=env)
+                            timeout=timeout)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -65,7 +59,7 @@ def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
 
 
 def test_plan_hsdp_shards_over_the_last_mesh_dim():
-    out = json.loads(_cli("plan", "--model", "llama3-8b", "--mesh-shape", "2x64", "--json").stdout)
+    out = plan_model(build_meta_model("llama3-8b"), (2, 64)).to_dict()
     assert (out["shard_size"], out["replicate_size"], out["world_size"]) == (64, 2, 128)
     total, padding = total_params("llama3-8b"), out["padding"]["elements"]
     assert out["per_rank_bytes"]["params"] == (total + padding) // 64 * 2
@@ -73,17 +67,19 @@ def test_plan_hsdp_shards_over_the_last_mesh_dim():
     assert out["comm_bytes_per_rank"]["all_reduce_replicas"] == out["per_rank_bytes"]["grads"]
 
 
-def test_plan_of_a_user_module_factory():
-    out = json.loads(_cli("plan", "--model", "test_cli:tiny_model", "--world-size", "4", "--param-dtype", "fp32",
-                          "--json").stdout)
+def test_plan_of_a_user_module_factory(capsys):
+    # This file is importable as ``test_cli`` (conftest puts tests/ on sys.path), as a user's module would be.
+    assert main(["plan", "--model", "test_cli:tiny_model", "--world-size", "4", "--param-dtype", "fp32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["params"] == sum(p.numel() for p in Tiny().parameters())
     assert out["buckets"]["count"] == 3  # blocks.0, blocks.1, head
     assert [b["copies"] for b in out["buckets"]["distinct"]] == [2, 1]
     assert out["per_rank_bytes"]["params"] == (out["params"] + out["padding"]["elements"]) // 4 * 4
 
 
-def test_plan_text_output_names_every_section():
-    text = _cli("plan", "--model", "llama3-8b", "--world-size", "256", "--block-policy", "16row").stdout
+def test_plan_text_output_names_every_section(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--world-size", "256", "--block-policy", "16row"]) == 0
+    text = capsys.readouterr().out
     for line in ("parameters", "padding", "buckets", "per-rank memory", "optimizer", "gathered (peak)",
                  "communication per step", "reduce_scatter", "planned in"):
         assert line in text
@@ -122,18 +118,16 @@ def test_plan_errors_say_what_to_fix(argv, message):
 
 def test_planning_repeated_units_once_matches_sharding_the_whole_model():
     """plan_model shards one copy of each distinct unit; the buckets must be those of the full model."""
-    options = dict(bucket_size=200_000_000, block_rows=16)
-    summary = plan_model(build_meta_model("llama3-8b"), (2, 32), **options)
+    summary = plan_model(build_meta_model("llama3-8b"), (2, 32), bucket_size=200_000_000, block_rows=16)
     planned = Counter()
     for b in summary.buckets:
         planned[(b.tensors, b.numel, b.shard_size)] += b.copies
 
-    model = build_meta_model("llama3-8b")
-    for p in model.parameters():
-        set_block(p, elements=block_elements(tuple(p.shape), 16))
+    named = list(build_meta_model("llama3-8b").named_parameters())
+    blocks = {n: block_elements(tuple(p.shape), 16) for n, p in named}
     with fake_process_group(64):
-        fully_shard(model, init_device_mesh("cpu", (2, 32)), bucket_size=200_000_000)
-        buffers = {id(b): b for b in (bucket_of(p)[0] for p in model.parameters())}.values()
+        mesh = resolve_mesh(init_device_mesh("cpu", (2, 32)))
+        buffers = shard_parameters(named, mesh, ShardingConfig(200_000_000), blocks)
         full = Counter((len(b.names), b.layout.numel, b.layout.shard_size) for b in buffers)
     assert planned == full
     assert summary.params == total_params("llama3-8b")

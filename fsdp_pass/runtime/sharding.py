@@ -124,10 +124,13 @@ def shard_parameters(
     buffers: list[DBuffer] = []
     for layout, dtype, trainable, by_name in plans:
         shapes = {n: by_name[n].shape for n in layout.names}
-        buf = DBuffer(layout, shapes, mesh, dtype, by_name[layout.names[0]].device, trainable,
-                      index=next(_bucket_ids))
+        device = by_name[layout.names[0]].device
+        if device.type == "meta":  # only the local shard is allocated; initialize_meta_parameters fills it
+            device = torch.device(mesh.device_type)
+        buf = DBuffer(layout, shapes, mesh, dtype, device, trainable, index=next(_bucket_ids))
         for name in layout.names:
-            buf.load_full(name, by_name[name])
+            if not by_name[name].is_meta:
+                buf.load_full(name, by_name[name])
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
         if trainable:

@@ -1,0 +1,334 @@
+"""Measurements for ``step_time.py``: memory, FSDP copy bytes and hidden communication.
+
+Every rule here is applied the same way to every system; ``docs/benchmarks.md`` explains them.
+All tensors in these benchmarks are fp32, so byte counts are elements x 4.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import re
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+ELEMENT_BYTES = 4  # fp32 everywhere in this benchmark
+
+# ----------------------------------------------------------------------------------------------------
+# Resident memory
+# ----------------------------------------------------------------------------------------------------
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    _libc = None
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def trim() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so RSS shows live memory."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+# ----------------------------------------------------------------------------------------------------
+# Live tensor memory
+# ----------------------------------------------------------------------------------------------------
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU storage reachable from a live Python tensor (params, grads, optimizer
+    state, flat buffers, ...). Wrapper subclasses (DTensor, RaggedShard) have no storage of their own and
+    are skipped: their local tensors are found on their own. Fake tensors are skipped."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor):
+            continue
+        try:
+            if obj.device.type != "cpu" or obj.is_meta:
+                continue
+            st = obj.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr:
+                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        except Exception:  # wrapper subclass, sparse, ...
+            continue
+    return sum(seen.values())
+
+
+def in_step_peak_bytes(events) -> int:
+    """Peak of (bytes allocated - bytes freed) over the profiled step, from the profiler's memory events.
+
+    The allocator reports only blocks allocated while profiling, so this is the step's transient peak
+    above what was live at its start."""
+    mem = sorted((e.time_range.start, e.cpu_memory_usage) for e in events if e.name == "[memory]")
+    cur = peak = 0
+    for _, nbytes in mem:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+# ----------------------------------------------------------------------------------------------------
+# Profiler: copies attributed to FSDP / DDP machinery, communication overlap
+# ----------------------------------------------------------------------------------------------------
+
+COPY_OPS = {"aten::copy_", "aten::_foreach_copy_", "aten::cat", "aten::split_with_sizes_copy",
+            "aten::_chunk_cat", "aten::chunk_cat", "aten::clone", "aten::constant_pad_nd"}
+# Scopes of data-parallel machinery: FSDP2's record_functions and custom ops, DDP's reducer.
+MACHINERY = re.compile(r"^(FSDP::|fsdp::)|reducer::")
+# Communication ops: what runs inside them is the communication library's business.
+COMM = re.compile(r"^(c10d::|_c10d_functional::|gloo:|record_param_comms|nccl)")
+COMPUTE = re.compile(r"^(aten::|mkldnn::|fsdp::)|cpp_fused")
+
+
+def _ancestors(e):
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 0
+
+
+def _own_bytes(e) -> int:
+    """Elements written by one copy-like event, x 4."""
+    shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
+    if e.name == "aten::copy_" and len(shapes) >= 2:
+        return _numel(shapes[1]) * ELEMENT_BYTES
+    if e.name in ("aten::mul", "aten::div") and shapes:  # DDP's copy-in: grad * (1/world) into the bucket
+        return _numel(shapes[0]) * ELEMENT_BYTES
+    if e.name == "aten::split_with_sizes_copy" and shapes:
+        return _numel(shapes[0]) * ELEMENT_BYTES
+    if e.cpu_memory_usage and e.cpu_memory_usage > 0:  # allocates its output (cat, clone, pad)
+        return int(e.cpu_memory_usage)
+    nonempty = [s for s in shapes if s]
+    return _numel(nonempty[-1]) * ELEMENT_BYTES if nonempty else 0  # out= variant: the output shape
+
+
+def _is_copy(e, in_reducer: bool) -> bool:
+    return e.name in COPY_OPS or (in_reducer and e.name in ("aten::mul", "aten::div"))
+
+
+def _copy_bytes(e, in_reducer: bool) -> int:
+    """Bytes of an outermost copy event: its innermost copy descendants if it has any, else its own."""
+    kids = [c for c in e.cpu_children if _is_copy(c, in_reducer)]
+    if kids:
+        return sum(_copy_bytes(c, in_reducer) for c in kids)
+    return _own_bytes(e)
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(iv) -> float:
+    return sum(e - s for s, e in iv)
+
+
+def _intersection(a, b) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyze_profile(events, main_thread: int) -> dict:
+    """Copies by data-parallel machinery, comm-internal copies, collective time and its overlap."""
+    machinery_bytes = machinery_us = comm_internal_bytes = 0.0
+    machinery_ops: dict[str, int] = {}
+    comm_iv, compute_iv = [], []
+    for e in events:
+        if e.name == "[memory]":
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if e.name.startswith("gloo:"):
+            comm_iv.append((start, end))
+            continue
+        if e.thread != main_thread:
+            continue
+        anc = list(_ancestors(e))
+        in_comm = any(COMM.match(a.name) for a in anc)
+        if COMPUTE.search(e.name) and not in_comm and not COMM.match(e.name):
+            compute_iv.append((start, end))
+        in_reducer = any("reducer::" in a.name for a in anc)
+        if not _is_copy(e, in_reducer):
+            continue
+        if any(_is_copy(a, in_reducer) for a in anc):
+            continue  # counted with its outermost copy ancestor
+        nbytes = _copy_bytes(e, in_reducer)
+        if in_comm:
+            comm_internal_bytes += nbytes
+        elif any(MACHINERY.search(a.name) for a in anc):
+            machinery_bytes += nbytes
+            machinery_us += end - start
+            machinery_ops[e.name] = machinery_ops.get(e.name, 0) + 1
+    comm = _union(comm_iv)
+    compute = _union(compute_iv)
+    comm_us = _length(comm)
+    hidden_us = _intersection(comm, compute)
+    return {
+        "runtime_copy_bytes": int(machinery_bytes),
+        "runtime_copy_ms": machinery_us / 1e3,
+        "runtime_copy_ops": machinery_ops,
+        "comm_internal_copy_bytes": int(comm_internal_bytes),
+        "comm_ms": comm_us / 1e3,
+        "comm_hidden_ms": hidden_us / 1e3,
+        "compute_ms": _length(compute) / 1e3,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Graphs: copies on the data path of a collective (compiled FSDP: SimpleFSDP, fsdp_pass)
+# ----------------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
+               _c10d.all_reduce.default, _c10d.all_gather_into_tensor_out.default}
+for _name in ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced"):
+    if hasattr(_c10d, _name):
+        COLLECTIVES.add(getattr(_c10d, _name).default)
+GRAPH_COPIES = {_aten.cat.default, _aten.copy_.default, _aten.copy.default, _aten.clone.default,
+                _aten.split_with_sizes_copy.default, _aten.constant_pad_nd.default, _aten._chunk_cat.default,
+                _aten.slice_scatter.default}
+if hasattr(_aten, "chunk_cat"):
+    GRAPH_COPIES.add(_aten.chunk_cat.default)
+VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.split_with_sizes.default,
+         _aten.split.Tensor, _aten.slice.Tensor, _aten.t.default, _aten.permute.default, _aten.transpose.int,
+         _aten.expand.default, _aten.alias.default, _aten.as_strided.default, _aten.squeeze.dim,
+         _aten.unsqueeze.default, _aten.narrow.default, _aten.select.int, _aten.squeeze.default}
+# Producers Inductor calls as extern kernels: their outputs cannot be written into a concatenation in place.
+EXTERN = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+          _aten._scaled_dot_product_flash_attention_for_cpu.default,
+          _aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+
+
+def _is_getitem(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
+
+
+def _passthrough(n: fx.Node) -> bool:
+    return n.target in VIEWS or n.target in GRAPH_COPIES or _is_getitem(n)
+
+
+def _nbytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (list, tuple)):
+        return sum(x.numel() * x.element_size() for x in v if isinstance(x, torch.Tensor))
+    return 0
+
+
+def _feeds_collective(n: fx.Node) -> bool:
+    stack, seen = [n], set()
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target in COLLECTIVES:
+                return True
+            if _passthrough(u):
+                stack.append(u)
+    return False
+
+
+def _fed_by_collective(n: fx.Node) -> bool:
+    stack, seen = list(n.all_input_nodes), set()
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur.target is _c10d.wait_tensor.default:
+            src = cur.args[0]
+            if isinstance(src, fx.Node) and src.target in COLLECTIVES:
+                return True
+        if _passthrough(cur) or cur.target is _c10d.wait_tensor.default:
+            stack.extend(cur.all_input_nodes)
+    return False
+
+
+def _origin(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and (n.target in VIEWS or _is_getitem(n)) and n.all_input_nodes:
+        n = n.all_input_nodes[0]
+    return n
+
+
+def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
+    """Copies on a collective's data path in one graph (runs once per step).
+
+    A copy-like node counts when its output reaches a collective's input, or its input comes from a
+    collective's wait, through views and other copies only. Under Inductor a ``cat`` costs only the
+    inputs that come from extern kernels (matmuls, attention) or graph inputs: pointwise producers
+    write straight into the concatenated buffer."""
+    total = 0
+    ops: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in GRAPH_COPIES:
+            continue
+        if not (_feeds_collective(n) or _fed_by_collective(n)):
+            continue
+        if n.target is _aten.copy_.default:
+            nbytes = _nbytes(n.args[1]) if isinstance(n.args[1], fx.Node) else 0
+        elif inductor and n.target is _aten.cat.default:
+            nbytes = 0
+            for x in n.args[0]:
+                o = _origin(x)
+                if o.op == "placeholder" or o.target in EXTERN or o.target is _c10d.wait_tensor.default:
+                    nbytes += _nbytes(x)
+        else:
+            nbytes = _nbytes(n)
+        total += nbytes
+        name = str(n.target).replace(".default", "")
+        ops[name] = ops.get(name, 0) + 1
+    return {"bytes": total, "ops": ops}

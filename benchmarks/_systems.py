@@ -1,0 +1,203 @@
+"""The systems ``step_time.py`` compares: each turns a plain model into (model, what the step calls).
+
+Every builder takes the plain model (same weights on every rank) and returns ``(model, info)``; the
+optimizer (plain ``torch.optim.AdamW``) is built on ``model.parameters()`` afterwards by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    label: str
+    distributed: bool = True  # False: one process, no process group (the compute floor)
+    inductor: bool = False  # some of its compute runs Inductor-generated kernels
+    compiled_fsdp: bool = False  # FSDP is inside compiled graphs: copies are counted on the graphs
+    fsdp_pass: dict | None = None  # options for torch.compile(backend="vescale")
+
+
+SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("single", "single process, no comm (inductor)", distributed=False, inductor=True),
+    System("ddp", "DDP (eager)"),
+    System("fsdp2", "FSDP2 (eager)"),
+    System("fsdp2_compile", "FSDP2 + torch.compile (inductor)", inductor=True),
+    System("simplefsdp", "SimpleFSDP (torchtitan, inductor)", inductor=True, compiled_fsdp=True),
+    System("fsdp_pass_aot_eager", "fsdp_pass aot_eager, overlap on", compiled_fsdp=True,
+           fsdp_pass={"compiler": "aot_eager", "prefetch": 1}),
+    System("fsdp_pass_aot_eager_no_overlap", "fsdp_pass aot_eager, overlap off", compiled_fsdp=True,
+           fsdp_pass={"compiler": "aot_eager", "prefetch": 0}),
+    System("fsdp_pass_inductor", "fsdp_pass inductor, overlap on", inductor=True, compiled_fsdp=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 1}),
+    System("fsdp_pass_inductor_no_overlap", "fsdp_pass inductor, overlap off", inductor=True, compiled_fsdp=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 0}),
+)}
+
+
+def simplefsdp_import_error() -> str | None:
+    """None when torchtitan's SimpleFSDP imports, else the error text."""
+    try:
+        from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel  # noqa: F401
+    except Exception as e:  # ImportError, or anything its import chain raises
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fsdp_pass_options(requested: dict) -> tuple[dict, list[str]]:
+    """The options this checkout's ``fsdp_pass`` accepts, and the names it does not know (dropped)."""
+    from fsdp_pass.options import Options
+
+    known = set(Options._NAMES)
+    return {k: v for k, v in requested.items() if k in known}, sorted(set(requested) - known)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SimpleFSDP wiring (torchtitan's JIT mode, reproduced: its jit_backend/fsdp_passes modules import
+# triton and torchdata, which a CPU machine with ``--no-deps`` does not have).
+# ----------------------------------------------------------------------------------------------------
+
+_c10d = torch.ops._c10d_functional
+
+
+def _is_wait_of_fsdp_all_gather(node: fx.Node) -> bool:
+    """torchtitan ``fsdp_passes.is_wait_tensor_from_fsdp``: a wait of an all_gather fed by a
+    single-input chain from a graph input."""
+    if node.target is not _c10d.wait_tensor.default:
+        return False
+    ag = node.args[0]
+    if not isinstance(ag, fx.Node) or ag.target is not _c10d.all_gather_into_tensor.default:
+        return False
+    n = ag.all_input_nodes[0] if ag.all_input_nodes else None
+    while n is not None:
+        if n.op == "placeholder":
+            return True
+        if len(n.all_input_nodes) != 1:
+            return False
+        n = n.all_input_nodes[0]
+    return False
+
+
+def simplefsdp_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None) -> fx.GraphModule:
+    """torchtitan's (pre-merge) ``reshard_after_forward`` joint pass: tag every FSDP all_gather, its wait,
+    the cast before it and the slice after it MUST_RECOMPUTE, so backward gathers again (ZeRO-3)."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if not _is_wait_of_fsdp_all_gather(node):
+            continue
+        ag = node.args[0]
+        chain = [ag, node]
+        src = ag.args[0]
+        if isinstance(src, fx.Node) and src.target in (aten._to_copy.default, torch.ops.prims.convert_element_type.default):
+            chain.append(src)
+        chain += [u for u in node.users if u.target in (aten.slice.Tensor, aten.view.default)]
+        for n in chain:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = 100000
+    return gm
+
+
+def _patch_cpu_runtime_estimation() -> None:
+    """Inductor's overlap passes estimate runtimes with GPU numbers (and import triton for them)."""
+    import torch.utils._runtime_estimation as rte
+
+    rte.get_gpu_dram_gbps = lambda: 3350
+    rte.get_device_tflops = lambda dtype: 400.0
+    try:
+        import torch._inductor.utils as iu
+
+        iu.get_gpu_dram_gbps = lambda: 3350
+    except Exception:
+        pass
+
+
+def simplefsdp_backend(bucket_plans: list, graph_sink: Callable[[str, fx.GraphModule], None]):
+    """torchtitan JIT ``transformer_block_bucketing`` + inductor, with our graph recorder after it."""
+    from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
+
+    _patch_cpu_runtime_estimation()
+    counter = {"n": 0}
+
+    def post_grad_pass(graph: fx.Graph):
+        gm = manual_overlap_bucketing(graph.owning_module, module_bucket_plans=bucket_plans, insert_overlap_deps=True)
+        graph_sink(f"graph{counter['n']}", gm)
+        counter["n"] += 1
+        return gm
+
+    cfg = torch._inductor.config
+    cfg.allow_buffer_reuse = False
+    cfg.reorder_for_peak_memory = False
+    cfg.reorder_for_compute_comm_overlap = False
+    cfg.post_grad_custom_post_pass = post_grad_pass
+    return "inductor"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_system(system: System, model: nn.Module, world: int, graph_sink: Callable[[str, fx.GraphModule], None]):
+    """Wrap ``model`` for ``system``; returns (callable model, notes)."""
+    notes: dict = {}
+    if system.key == "single":
+        return torch.compile(model), notes
+    if system.key == "ddp":
+        # broadcast_buffers=False: the only buffer (rotary table) is a constant.
+        return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False), notes
+    if system.key in ("fsdp2", "fsdp2_compile"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers:
+            if system.key == "fsdp2_compile":
+                block.compile()  # per-block compile: FSDP's hooks are dynamo-disabled and run eagerly
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, notes
+    if system.key == "simplefsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = data_parallel(model, mesh, mode="fully_shard")
+        plans = ["tok_embeddings", *[f"layers.{i}" for i in range(len(model.layers))], ["norm", "output"]]
+        backend = simplefsdp_backend(plans, graph_sink)
+        torch._functorch.config.joint_custom_pass = simplefsdp_reshard_after_forward
+        notes["bucket_plans"] = plans
+        return torch.compile(model, backend=backend, fullgraph=True), notes
+    if system.fsdp_pass is not None:
+        import fsdp_pass  # noqa: F401  (registers the "vescale" backend)
+
+        options, dropped = fsdp_pass_options(system.fsdp_pass)
+        notes["options"] = {k: v for k, v in options.items()}
+        if dropped:
+            notes["options_not_supported"] = dropped
+        return torch.compile(model, backend="vescale", options=options), notes
+    raise KeyError(system.key)
+
+
+def fsdp_pass_graphs() -> dict[str, fx.GraphModule]:
+    """The forward/backward graphs fsdp_pass handed to its compiler (what runs, for aot_eager)."""
+    from fsdp_pass.backend import records
+
+    out = {}
+    for i, rec in enumerate(records()):
+        for stage in ("forward", "backward"):
+            if stage in rec.modules:
+                out[f"{i}.{stage}"] = rec.modules[stage]
+    return out
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,486 @@
+"""Step time, memory, FSDP copies and communication overlap: fsdp_pass against its peers, on CPU/gloo.
+
+One invocation runs, on the same model, data and per-rank batch, every system in ``_systems.SYSTEMS``:
+
+* ``single``       one process, no communication, ``torch.compile`` (inductor), plain AdamW: the compute
+                   floor for one rank's batch (it also steps the optimizer over all parameters);
+* ``ddp``          DistributedDataParallel (eager);
+* ``fsdp2``        ``fully_shard`` per transformer block + root on ``init_device_mesh("cpu", (world,))``;
+* ``fsdp2_compile`` the same, each block ``.compile()``d (inductor; FSDP2's hooks stay eager);
+* ``simplefsdp``   torchtitan's SimpleFSDP ``data_parallel(mode="fully_shard")``, compiled fullgraph with
+                   inductor and torchtitan's JIT ``transformer_block_bucketing`` pass, reshard after forward
+                   (skipped, with the reason printed, when torchtitan does not import);
+* ``fsdp_pass_*``  ``torch.compile(model, backend="vescale")`` with ``compiler`` aot_eager / inductor and
+                   overlap on (``prefetch=1``) / off (``prefetch=0``).
+
+Each system runs in fresh processes (``torch.multiprocessing`` spawn, gloo, ``file://`` init, 120 s
+process-group timeout), each rank pinned to core ``rank % cpu_count`` with one thread. Per system:
+warm-up steps (the first compiles; compile time is reported, not counted), then measured steps
+(forward + backward + AdamW step + zero_grad), then one profiled step (memory, copies, overlap).
+
+    python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--steps 10] [--warmup 3]
+                                   [--systems single,fsdp2,fsdp_pass_inductor] [--quick]
+
+Writes ``benchmarks/results/step_time[_<model>].json`` and ``.png`` (matplotlib, the ``bench`` extra).
+How each number is measured: ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pools (children inherit it)
+
+import argparse
+import fnmatch
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import fsdp_pass  # noqa: F401  (installed, or on PYTHONPATH)
+except ImportError:
+    sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from _bench_models import CONFIGS, QUICK_CONFIGS, build, batch, lm_loss  # noqa: E402
+from _systems import SYSTEMS, System, simplefsdp_import_error  # noqa: E402
+
+PER_RANK_BATCH = {"llama": 4, "moe": 4}
+QUICK_BATCH = 2
+SIMPLEFSDP_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro"
+
+# Issue 5 goals (fsdp_pass with inductor, overlap on).
+GOALS = {
+    "step_vs_fsdp2": 0.85,
+    "step_vs_simplefsdp": 0.95,
+    "copy_bytes": 0,
+    "memory_vs_fsdp2": 0.80,
+    "step_vs_floor": 1.15,
+}
+OURS = "fsdp_pass_inductor"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker (one rank of one system)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _compiler_warmup() -> None:
+    """Compile and run a tiny function with inductor (forward + backward) in every process, before the
+    memory baseline, so the compiler's one-time memory (imports, caches, C++ toolchain state) is not
+    charged to the systems that compile."""
+    lin = torch.nn.Linear(8, 8)
+    f = torch.compile(lambda x: torch.nn.functional.silu(lin(x)).sum())
+    f(torch.randn(4, 8)).backward()
+    torch._dynamo.reset()
+
+
+def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
+    import torch.distributed as dist
+
+    import _measure as M
+    from _systems import barrier, build_system, fsdp_pass_graphs
+
+    try:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+        torch.set_num_threads(1)
+        system = SYSTEMS[key]
+        if system.distributed:
+            dist.init_process_group("gloo", init_method=f"file://{outdir}/init", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=120))
+        if system.inductor:
+            torch._inductor.config.cpp.enable_kernel_profile = True  # kernels show up in the profiler
+        _compiler_warmup()
+        M.trim()
+        rss0 = M.rss_bytes()
+
+        cfg = (QUICK_CONFIGS if args["quick"] else CONFIGS)[args["model"]]
+        model = build(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        graphs: dict = {}
+        model, notes = build_system(system, model, world, lambda name, gm: graphs.__setitem__(name, gm))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        bs = args["batch"]
+
+        losses = []
+
+        def step(i: int) -> None:
+            tokens = batch(cfg, bs, rank, i)
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+
+        t0 = time.perf_counter()
+        step(0)
+        compile_s = time.perf_counter() - t0
+        warm_times = []
+        for i in range(1, args["warmup"]):
+            t0 = time.perf_counter()
+            step(i)
+            warm_times.append(time.perf_counter() - t0)
+
+        M.trim()
+        barrier()
+        M.reset_peak_rss()
+        times = []
+        for i in range(args["steps"]):
+            t0 = time.perf_counter()
+            step(args["warmup"] + i)
+            times.append(time.perf_counter() - t0)
+        peak_rss = M.peak_rss_bytes() - rss0
+
+        # One profiled step: memory, copies, overlap.
+        from torch.profiler import ProfilerActivity, profile
+
+        M.trim()
+        persistent = M.live_tensor_bytes()
+        if key == "ddp":  # the reducer's flat gradient buckets live in C++, out of the Python walk
+            persistent += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        barrier()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+            t0 = time.perf_counter()
+            step(args["warmup"] + args["steps"])
+            profiled_s = time.perf_counter() - t0
+        events = prof.events()
+        import threading
+
+        main_tid = next((e.thread for e in events if e.name.startswith("Optimizer.step")), None)
+        if main_tid is None:
+            main_tid = threading.get_native_id()
+        prof_stats = M.analyze_profile(events, main_tid)
+        transient = M.in_step_peak_bytes(events)
+
+        graph_copies = {"bytes": 0, "ops": {}}
+        if system.compiled_fsdp:
+            if system.fsdp_pass is not None:
+                graphs.update(fsdp_pass_graphs())
+            for name, gm in graphs.items():
+                g = M.graph_copy_bytes(gm, inductor=system.inductor)
+                graph_copies["bytes"] += g["bytes"]
+                for k, v in g["ops"].items():
+                    graph_copies["ops"][k] = graph_copies["ops"].get(k, 0) + v
+            graph_copies["graphs"] = sorted(graphs)
+
+        result = {
+            "rank": rank,
+            "params": n_params,
+            "compile_s": compile_s,
+            "warmup_s": warm_times,
+            "times_s": times,
+            "profiled_step_s": profiled_s,
+            "losses": losses,
+            "peak_rss_bytes": peak_rss,
+            "rss_baseline_bytes": rss0,
+            "persistent_tensor_bytes": persistent,
+            "in_step_peak_bytes": transient,
+            "graph_copies": graph_copies,
+            "notes": notes,
+            **prof_stats,
+        }
+        with open(f"{outdir}/result_{rank}.json", "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(f"{outdir}/error_{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_system(key: str, args: dict, timeout_s: float) -> dict:
+    system = SYSTEMS[key]
+    world = args["world_size"] if system.distributed else 1
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=f"step_time_{key}_") as outdir:
+        procs = [ctx.Process(target=_worker, args=(r, world, key, args, outdir), daemon=True) for r in range(world)]
+        t0 = time.time()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(1.0, timeout_s - (time.time() - t0)))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        errors = {}
+        for r in range(world):
+            path = Path(outdir, f"error_{r}.txt")
+            if path.exists():
+                errors[r] = path.read_text()
+        results = []
+        for r in range(world):
+            path = Path(outdir, f"result_{r}.json")
+            if path.exists():
+                results.append(json.loads(path.read_text()))
+        wall = time.time() - t0
+    if errors or hung or len(results) != world:
+        msg = next(iter(errors.values()), "") if errors else f"ranks {hung} did not finish in {timeout_s:.0f} s"
+        return {"key": key, "label": system.label, "error": msg.strip().splitlines()[-1] if msg else "failed",
+                "traceback": msg, "wall_s": wall}
+    return summarize(key, results, wall)
+
+
+def summarize(key: str, ranks: list[dict], wall: float) -> dict:
+    system = SYSTEMS[key]
+    # Step i's time is the slowest rank's (ranks wait for each other in the collectives anyway).
+    times = [max(r["times_s"][i] for r in ranks) for i in range(len(ranks[0]["times_s"]))]
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    r0 = ranks[0]
+    copy_bytes = max(r["runtime_copy_bytes"] + r["graph_copies"]["bytes"] for r in ranks)
+    comm = max(r["comm_ms"] for r in ranks)
+    hidden = min(r["comm_hidden_ms"] for r in ranks)
+    return {
+        "key": key,
+        "label": system.label,
+        "ranks": len(ranks),
+        "params": r0["params"],
+        "median_s": statistics.median(times),
+        "p10_s": q[0],
+        "p90_s": q[-1],
+        "min_s": min(times),
+        "max_s": max(times),
+        "times_s": times,
+        "compile_s": max(r["compile_s"] for r in ranks),
+        "profiled_step_s": max(r["profiled_step_s"] for r in ranks),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "persistent_tensor_bytes": max(r["persistent_tensor_bytes"] for r in ranks),
+        "in_step_peak_bytes": max(r["in_step_peak_bytes"] for r in ranks),
+        "peak_tensor_bytes": max(r["persistent_tensor_bytes"] + r["in_step_peak_bytes"] for r in ranks),
+        "copy_bytes": copy_bytes,
+        "runtime_copy_bytes": max(r["runtime_copy_bytes"] for r in ranks),
+        "runtime_copy_ms": max(r["runtime_copy_ms"] for r in ranks),
+        "runtime_copy_ops": r0["runtime_copy_ops"],
+        "graph_copy_bytes": max(r["graph_copies"]["bytes"] for r in ranks),
+        "graph_copy_ops": r0["graph_copies"]["ops"],
+        "comm_internal_copy_bytes": max(r["comm_internal_copy_bytes"] for r in ranks),
+        "comm_ms": comm,
+        "comm_hidden_ms": hidden,
+        "hidden_fraction": (hidden / comm) if comm > 0 else None,
+        "compute_ms": max(r["compute_ms"] for r in ranks),
+        "losses_rank0": r0["losses"],
+        "notes": r0["notes"],
+        "wall_s": wall,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    ref = next((r for r in rows if r["key"] == "fsdp2" and "error" not in r), None)
+    head = ("system", "median ms", "p10-p90 ms", "x FSDP2", "peak tensor MiB", "peak RSS MiB",
+            "FSDP copy MiB/step", "comm ms", "hidden", "compile s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error'][:80]} |" + " |" * (len(head) - 2))
+            continue
+        ratio = f"{r['median_s'] / ref['median_s']:.2f}" if ref else "-"
+        hid = f"{100 * r['hidden_fraction']:.0f}%" if r["hidden_fraction"] is not None else "-"
+        lines.append(
+            f"| {r['label']} | {1e3 * r['median_s']:.0f} | {1e3 * r['p10_s']:.0f}-{1e3 * r['p90_s']:.0f} | {ratio} "
+            f"| {_mib(r['peak_tensor_bytes'])} | {_mib(r['peak_rss_bytes'])} | {_mib(r['copy_bytes'])} "
+            f"| {r['comm_ms']:.1f} | {hid} | {r['compile_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    by = {r["key"]: r for r in rows if "error" not in r}
+    ours = by.get(OURS)
+    out = []
+
+    def add(goal, value, target, ok, detail=""):
+        out.append({"goal": goal, "measured": value, "target": target,
+                    "status": "n/a" if ok is None else ("PASS" if ok else "MISS"), "detail": detail})
+
+    if ours is None:
+        return [{"goal": "all", "status": "n/a", "detail": f"{OURS} did not run"}]
+    f2, sf, floor = by.get("fsdp2"), by.get("simplefsdp"), by.get("single")
+    v = ours["median_s"] / f2["median_s"] if f2 else None
+    add("step time <= 0.85x FSDP2 eager", v, GOALS["step_vs_fsdp2"], None if v is None else v <= GOALS["step_vs_fsdp2"])
+    v = ours["median_s"] / sf["median_s"] if sf else None
+    add("step time <= 0.95x SimpleFSDP", v, GOALS["step_vs_simplefsdp"], None if v is None else v <= GOALS["step_vs_simplefsdp"],
+        "" if sf else "SimpleFSDP did not run")
+    add("FSDP copy bytes per step = 0", ours["copy_bytes"], 0, ours["copy_bytes"] == 0)
+    v = ours["peak_tensor_bytes"] / f2["peak_tensor_bytes"] if f2 else None
+    add("peak per-rank memory <= 0.8x FSDP2 (tensor)", v, GOALS["memory_vs_fsdp2"], None if v is None else v <= GOALS["memory_vs_fsdp2"])
+    v = ours["peak_rss_bytes"] / f2["peak_rss_bytes"] if f2 else None
+    add("peak per-rank memory <= 0.8x FSDP2 (RSS)", v, GOALS["memory_vs_fsdp2"], None if v is None else v <= GOALS["memory_vs_fsdp2"])
+    v = ours["median_s"] / floor["median_s"] if floor else None
+    add("step time <= 1.15x single-process floor", v, GOALS["step_vs_floor"], None if v is None else v <= GOALS["step_vs_floor"])
+    return out
+
+
+def breakdown(r: dict, floor: dict | None) -> dict:
+    """Where a system's step goes, as far as measured: compute floor, exposed comm, copies, the rest."""
+    step = r["median_s"] * 1e3
+    compute = floor["median_s"] * 1e3 if floor else None
+    exposed = r["comm_ms"] - r["comm_hidden_ms"]
+    copies = r["runtime_copy_ms"]
+    rest = step - (compute or 0) - exposed - copies if compute is not None else None
+    return {"step_ms": step, "compute_floor_ms": compute, "exposed_comm_ms_profiled": exposed,
+            "runtime_copy_ms_profiled": copies, "rest_ms": rest}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no chart")
+        return False
+    ok = [r for r in rows if "error" not in r]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5))
+    labels = [r["label"].replace(", ", "\n").replace(" (", "\n(") for r in ok]
+    colors = ["#1f77b4" if r["key"].startswith("fsdp_pass") else "#7f7f7f" for r in ok]
+    med = [1e3 * r["median_s"] for r in ok]
+    lo = [1e3 * (r["median_s"] - r["p10_s"]) for r in ok]
+    hi = [1e3 * (r["p90_s"] - r["median_s"]) for r in ok]
+    ax = axes[0]
+    ax.barh(range(len(ok)), med, xerr=[lo, hi], color=colors, capsize=3)
+    ax.set_yticks(range(len(ok)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time, ms (median, p10-p90)")
+    ax = axes[1]
+    ax.barh(range(len(ok)), [r["peak_tensor_bytes"] / 2**20 for r in ok], color=colors, label="tensor")
+    ax.scatter([r["peak_rss_bytes"] / 2**20 for r in ok], range(len(ok)), color="k", marker="x", label="RSS", zorder=3)
+    ax.set_yticks(range(len(ok)), [""] * len(ok))
+    ax.invert_yaxis()
+    ax.set_xlabel("peak per-rank memory, MiB (bar: tensors, x: RSS)")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    ax.barh(range(len(ok)), [r["copy_bytes"] / 2**20 for r in ok], color=colors)
+    ax.set_yticks(range(len(ok)), [""] * len(ok))
+    ax.invert_yaxis()
+    ax.set_xlabel("FSDP/DDP copy bytes per step, MiB")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def select(spec: str | None) -> list[str]:
+    if not spec:
+        return list(SYSTEMS)
+    keys = []
+    for pat in spec.split(","):
+        hits = [k for k in SYSTEMS if fnmatch.fnmatch(k, pat.strip())]
+        if not hits:
+            raise SystemExit(f"unknown system {pat!r}; choose from {', '.join(SYSTEMS)}")
+        keys += [k for k in hits if k not in keys]
+    return keys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10; --quick 3)")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first compiles (default 3)")
+    ap.add_argument("--batch", type=int, default=None, help="per-rank batch (sequences)")
+    ap.add_argument("--systems", default=None, help=f"comma-separated keys or globs of: {', '.join(SYSTEMS)}")
+    ap.add_argument("--quick", action="store_true", help="tiny model and 3 steps: checks that everything runs")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per system before its ranks are killed")
+    ap.add_argument("--out", type=Path, default=None, help="result path stem (default benchmarks/results/step_time)")
+    a = ap.parse_args(argv)
+    steps = a.steps if a.steps is not None else (3 if a.quick else 10)
+    batch_size = a.batch or (QUICK_BATCH if a.quick else PER_RANK_BATCH[a.model])
+    args = {"model": a.model, "world_size": a.world_size, "steps": steps, "warmup": max(2, a.warmup),
+            "batch": batch_size, "quick": a.quick}
+    keys = select(a.systems)
+
+    cfg = (QUICK_CONFIGS if a.quick else CONFIGS)[a.model]
+    load_before = os.getloadavg()
+    print(f"model {a.model}: {cfg}")
+    print(f"world size {a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up + "
+          f"{steps} measured steps, {os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{load_before[2]:.2f}, torch {torch.__version__}")
+    skipped = {}
+    if "simplefsdp" in keys:
+        err = simplefsdp_import_error()
+        if err:
+            print(f"SimpleFSDP: not installed / does not import: {err}\n  install: {SIMPLEFSDP_INSTALL}")
+            skipped["simplefsdp"] = err
+            keys.remove("simplefsdp")
+    from _systems import fsdp_pass_options
+
+    dropped = sorted({d for k in keys if SYSTEMS[k].fsdp_pass for d in fsdp_pass_options(SYSTEMS[k].fsdp_pass)[1]})
+    if dropped:
+        print(f"fsdp_pass: this checkout does not know option(s) {dropped}: they are not passed "
+              f"(the overlap on/off rows then run the same configuration)")
+
+    rows = []
+    t_all = time.time()
+    for key in keys:
+        t0 = time.time()
+        row = run_system(key, args, a.timeout)
+        rows.append(row)
+        if "error" in row:
+            print(f"  {key:32s} FAILED after {time.time() - t0:.0f} s: {row['error']}")
+            print("    " + row["traceback"].strip().replace("\n", "\n    ")[-3000:])
+        else:
+            print(f"  {key:32s} median {1e3 * row['median_s']:7.1f} ms  (p10 {1e3 * row['p10_s']:.1f}, "
+                  f"p90 {1e3 * row['p90_s']:.1f})  compile {row['compile_s']:.0f} s  wall {row['wall_s']:.0f} s  "
+                  f"loss {row['losses_rank0'][0]:.4f} -> {row['losses_rank0'][-1]:.4f}")
+    load_after = os.getloadavg()
+    total = time.time() - t_all
+
+    print()
+    print(table(rows))
+    g = goals(rows)
+    print()
+    for item in g:
+        m = item.get("measured")
+        ms = f"{m:.3f}" if isinstance(m, float) else str(m)
+        print(f"  {item['status']:4s}  {item['goal']}: measured {ms} (target {item.get('target')}) {item.get('detail', '')}")
+    by = {r["key"]: r for r in rows if "error" not in r}
+    bd = {k: breakdown(r, by.get("single")) for k, r in by.items() if k != "single"}
+    print(f"\ntotal {total:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+
+    stem = a.out or HERE / "results" / ("step_time" if a.model == "llama" and not a.quick else
+                                         f"step_time_{a.model}{'_quick' if a.quick else ''}")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": a.model, "config": cfg.__dict__, "world_size": a.world_size, "per_rank_batch": batch_size,
+        "seq": cfg.seq, "warmup": args["warmup"], "steps": steps, "cpus": os.cpu_count(),
+        "loadavg_before": load_before, "loadavg_after": load_after, "total_s": total,
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "skipped": skipped, "fsdp_pass_options_not_supported": dropped,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with open(stem.with_suffix(".json"), "w") as f:
+        json.dump({"meta": meta, "systems": rows, "goals": g, "breakdown": bd}, f, indent=1, default=str)
+    title = (f"{a.model}, {rows[0].get('params', 0) / 1e6:.1f}M params, world {a.world_size}, per-rank batch "
+             f"{batch_size}x{cfg.seq}, 1 pinned core/rank, load {load_before[0]:.1f}")
+    if plot(rows, stem.with_suffix(".png"), title):
+        print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""Structure-aware optimizers (Muon, Shampoo, AdamW8bit): sharded runs equal one process bitwise.
+
+Multi-rank checks are grouped into one spawned run per world size; each ``_check_*`` function is
+one concern. Every rank also runs the single-process reference on plain copies of the parameters
+(same thread count, same kernels), and feeds both the same full gradients.
+
+Two layouts per optimizer:
+
+* *owner-local*: the optimizer is built before ``fully_shard``, so its ``set_block`` annotations
+  shape the layout; a step must not communicate at all (collectives are counted);
+* *gather-to-root*: ``fully_shard`` with element blocks first, then the optimizer; layouts cut the
+  blocks, so the step gathers to roots (and warns), and must still equal one process bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_harness import run_distributed
+from fsdp_pass.fully_shard import fully_shard
+from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from fsdp_pass.optim.blockwise import respects_blocks
+from fsdp_pass.optim.dynamic_code import dequantize_blockwise, dynamic_code, quantize_blockwise
+from fsdp_pass.optim.muon import zeropower_via_newtonschulz
+from fsdp_pass.optim.shampoo import inverse_fourth_root, panel_rows
+from fsdp_pass.passes.detect import block_size
+from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
+
+STEPS = 10
+
+# Shapes per optimizer: odd sizes, tall and wide matrices, Shampoo panels that split columns too
+# (40 columns > max_preconditioner_dim 16) and rows that 16 does not divide (30 -> 15-row panels),
+# 8-bit parameters with and without a partial last block, and small fp32-state parameters.
+MUON_SHAPES = [(32, 48), (64, 32), (24, 24), (40, 16)]
+SHAMPOO_SHAPES = [(48, 20), (32, 40), (30, 6), (40,), (7, 3)]
+ADAMW8BIT_SHAPES = [(64, 128), (20, 256), (16, 8), (64,)]
+UNALIGNED_8BIT_SHAPE = (40, 130)  # 5200 elements: 8-bit, not a multiple of 256 (never annotated)
+
+MUON_KW = dict(lr=0.02, weight_decay=0.01)
+SHAMPOO_KW = dict(lr=0.01, weight_decay=0.01, max_preconditioner_dim=16, precondition_frequency=3)
+ADAMW8BIT_KW = dict(lr=0.01, weight_decay=0.01)
+
+
+class Params(nn.Module):
+    """Parameters as top-level attributes ``w0, w1, ...``: one fully_shard unit, one bucket."""
+
+    def __init__(self, shapes, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        for i, shape in enumerate(shapes):
+            setattr(self, f"w{i}", nn.Parameter(torch.randn(shape, generator=gen)))
+
+
+def _plain_copy(model: nn.Module) -> list[nn.Parameter]:
+    return [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, RaggedShardTensor) else t.detach()
+
+
+def _set_grads(sharded, plain, step: int) -> None:
+    for i, (s, p) in enumerate(zip(sharded, plain)):
+        grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + i))
+        p.grad = grad.clone()
+        s.grad = distribute_tensor(grad, s.mesh, s.placement) if isinstance(s, RaggedShardTensor) else grad.clone()
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts collective ops (functional and in-place c10d) and the bytes of their inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+            self.calls.append(func.overloadpacket.__name__)
+            self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-rank checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_parity(mesh, cls, shapes, kwargs, owner_local: bool, block_of) -> tuple:
+    """Ten steps of ``cls`` on sharded parameters and on plain copies; return both, the optimizers and the counters."""
+    model = Params(shapes, seed=7)
+    plain = _plain_copy(model)
+    if owner_local:
+        sharded_opt = cls(model.parameters(), **kwargs)
+        fully_shard(model, mesh)
+    else:
+        fully_shard(model, mesh, block_sizes={"*": {"elements": 1}})
+        sharded_opt = cls(model.parameters(), **kwargs)
+    sharded = list(model.parameters())
+    if owner_local:
+        assert all(respects_blocks(s._spec, block_of(s)) for s in sharded), cls.__name__
+    plain_opt = cls(plain, **kwargs)
+    counters = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            _set_grads(sharded, plain, step)
+            with CollectiveCounter() as counter:
+                sharded_opt.step()
+            plain_opt.step()
+            counters.append(counter)
+    for i, (s, p) in enumerate(zip(sharded, plain)):
+        full = s.full_tensor()
+        assert torch.equal(full, p.detach()), f"{cls.__name__} param {i} {tuple(p.shape)}: max diff {(full - p).abs().max()}"
+    ours = [str(w.message) for w in caught if cls.__name__ in str(w.message)]
+    return sharded, plain, sharded_opt, plain_opt, counters, ours
+
+
+def _assert_no_communication(counters, what: str) -> None:
+    calls = [c for counter in counters for c in counter.calls]
+    assert not calls and not sum(c.bytes for c in counters), f"{what}: a step communicated: {calls}"
+
+
+def _check_muon(mesh, world: int) -> None:
+    whole = lambda p: p.numel()  # noqa: E731
+    sharded, plain, opt, ref, counters, warned = _run_parity(mesh, Muon, MUON_SHAPES, MUON_KW, True, whole)
+    owners = set()
+    for p, q in zip(sharded, plain):
+        holders = [r for r, n in enumerate(p.placement.local_units) if n]
+        assert len(holders) == 1, f"matrix {tuple(p.shape)} is spread over ranks {holders}"
+        owners.update(holders)
+        buf = opt.state[p]["momentum_buffer"]
+        assert isinstance(buf, RaggedShardTensor) and buf._spec == p._spec
+        assert torch.equal(buf.full_tensor(), ref.state[q]["momentum_buffer"])
+    assert len(owners) > 1, "the planner put every matrix on one rank"
+    _assert_no_communication(counters, "owner-local Muon")
+    assert not warned
+
+    sharded, plain, opt, ref, counters, warned = _run_parity(mesh, Muon, MUON_SHAPES, MUON_KW, False, whole)
+    spread = [p for p in sharded if not respects_blocks(p._spec, p.numel())]
+    assert spread, "the element-block layout kept every matrix whole: no gather was tested"
+    # Two all-to-alls per spread matrix per step (gather to the root, scatter back), nothing else.
+    assert all(c.calls == ["all_to_all_single"] * 2 * len(spread) for c in counters), counters[0].calls
+    assert len(warned) == 1 and all(f"shape {tuple(p.shape)}" in warned[0] for p in spread), warned
+
+
+def _check_shampoo(mesh, world: int) -> None:
+    panel = lambda p: panel_rows(p.shape, 16) * math.prod(p.shape[1:])  # noqa: E731
+    sharded, plain, opt, ref, counters, warned = _run_parity(mesh, Shampoo, SHAMPOO_SHAPES, SHAMPOO_KW, True, panel)
+    _assert_no_communication(counters, "owner-local Shampoo")
+    assert not warned
+    for s, p in zip(sharded, plain):
+        assert torch.equal(opt.state[s]["momentum"].full_tensor(), ref.state[p]["momentum"])
+        # Preconditioner blocks live with the rank that holds their panel: together, exactly the reference's.
+        for key, block in opt.state[s].get("blocks", {}).items():
+            assert all(torch.equal(v, ref.state[p]["blocks"][key][k]) for k, v in block.items()), key
+
+    sharded, _, _, _, counters, warned = _run_parity(mesh, Shampoo, SHAMPOO_SHAPES, SHAMPOO_KW, False, panel)
+    assert any(not respects_blocks(p._spec, panel(p)) for p in sharded)
+    assert sum(len(c.calls) for c in counters) > 0 and len(warned) == 1
+
+
+def _check_adamw8bit(mesh, world: int) -> None:
+    block = lambda p: 256 if p.numel() >= 4096 else 1  # noqa: E731
+    sharded, plain, opt, ref, counters, warned = _run_parity(mesh, AdamW8bit, ADAMW8BIT_SHAPES, ADAMW8BIT_KW, True, block)
+    _assert_no_communication(counters, "owner-local AdamW8bit")
+    assert not warned
+    _assert_states_equal(sharded, plain, opt, ref)
+    for s in sharded:
+        if s.numel() >= 4096:
+            # Whole 256-blocks per rank: codes in the parameter's layout, and each rank's absmax is its blocks'.
+            assert opt.state[s]["exp_avg"].dtype == torch.uint8 and opt.state[s]["exp_avg"]._spec == s._spec
+            start, end = s._spec.local_range
+            absmax = opt.state[s]["exp_avg_absmax"].to_local()
+            assert absmax.numel() == (-(-end // 256) - start // 256 if end > start else 0)
+
+    shapes = ADAMW8BIT_SHAPES + [UNALIGNED_8BIT_SHAPE]
+    sharded, plain, opt, ref, counters, warned = _run_parity(mesh, AdamW8bit, shapes, ADAMW8BIT_KW, False, block)
+    assert any(not respects_blocks(p._spec, 256) for p in sharded if p.numel() >= 4096)
+    assert len(warned) == 1
+    _assert_states_equal(sharded, plain, opt, ref)
+
+
+def _assert_states_equal(sharded, plain, opt, ref) -> None:
+    """Every state tensor (8-bit codes, absmax, fp32 moments) equals the single-process one bitwise."""
+    for s, p in zip(sharded, plain):
+        mine, theirs = opt.state[s], ref.state[p]
+        assert mine.keys() == theirs.keys(), (mine.keys(), theirs.keys())
+        for key, value in theirs.items():
+            got = mine[key]
+            assert torch.equal(_full(got).reshape(value.shape), value) if key != "step" else got == value, (s.shape, key)
+
+
+def _all_checks(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    _check_muon(mesh, world)
+    _check_shampoo(mesh, world)
+    _check_adamw8bit(mesh, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_optimizers_equal_one_process_bitwise(world: int) -> None:
+    run_distributed(_all_checks, world)
+
+
+# ---------------------------------------------------------------------------------------------
+# single process
+# ---------------------------------------------------------------------------------------------
+
+
+def _muon_pair(shapes, seed: int = 0, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    ours = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, theirs
+
+
+def _step_both(ours, theirs, opt_a, opt_b, steps: int = STEPS) -> None:
+    for step in range(steps):
+        _set_grads(ours, theirs, step)
+        opt_a.step()
+        opt_b.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_muon_equals_torch_muon_bitwise_in_bfloat16(nesterov: bool, adjust_lr_fn) -> None:
+    ours, theirs = _muon_pair(MUON_SHAPES + [(17, 5)])
+    kwargs = dict(MUON_KW, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    _step_both(ours, theirs, Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_muon_float32_newton_schulz_is_close_to_torch_muon() -> None:
+    """fp32 NS (fast on CPU) vs torch's bf16 NS: the parameter *change* after 10 steps agrees to 2% of its size."""
+    ours, theirs = _muon_pair(MUON_SHAPES)
+    start = [p.detach().clone() for p in ours]
+    _step_both(ours, theirs, Muon(ours, **MUON_KW, ns_dtype=torch.float32), torch.optim.Muon(theirs, **MUON_KW))
+    for a, b, s in zip(ours, theirs, start):
+        change = (b.detach() - s).abs().max()
+        assert (a - b).abs().max() <= 0.02 * change, ((a - b).abs().max(), change)
+
+
+def test_orthogonalizing_row_shards_separately_differs() -> None:
+    """Negative control: NS of two row halves is not NS of the matrix (why Muon needs whole matrices)."""
+    g = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    whole = zeropower_via_newtonschulz(g, dtype=torch.float32)
+    halves = torch.cat([zeropower_via_newtonschulz(h, dtype=torch.float32) for h in g.chunk(2)])
+    assert (whole - halves).abs().max() > 0.05
+
+
+def test_optimizers_annotate_their_blocks_before_sharding() -> None:
+    model = Params([(32, 48), (48, 20), (64, 128), (40, 130), (16, 8)], seed=0)
+    w0, w1, w2, w3, w4 = model.parameters()
+    Muon([w0])
+    Shampoo([w1], max_preconditioner_dim=16)
+    AdamW8bit([w2, w3, w4])
+    blocks = {name: block_size(name, p) for name, p in model.named_parameters()}
+    # whole matrix; 16-row panels; 256 elements; not annotated (256 does not divide 5200); fp32 states.
+    assert blocks == {"w0": 32 * 48, "w1": 16 * 20, "w2": 256, "w3": 1, "w4": 1}
+    assert panel_rows(torch.Size((30, 6)), 16) == 15 and panel_rows(torch.Size((40,)), 16) == 10
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([nn.Parameter(torch.ones(3))])
+
+
+def test_muon_param_groups_keep_embeddings_and_vectors_for_adamw() -> None:
+    model = nn.Sequential()
+    model.embed = nn.Embedding(10, 8)
+    model.hidden = nn.Linear(8, 8)
+    model.lm_head = nn.Linear(8, 10, bias=False)
+    matrices, rest = muon_param_groups(model)
+    assert [n for n, _ in matrices] == ["hidden.weight"]
+    assert [n for n, _ in rest] == ["embed.weight", "hidden.bias", "lm_head.weight"]
+    Muon(matrices)  # named parameters are accepted
+
+
+def test_inverse_fourth_root() -> None:
+    a = torch.randn(12, 12, generator=torch.Generator().manual_seed(0))
+    factor = a @ a.T
+    root = inverse_fourth_root(factor, eps=0.0)
+    identity = torch.linalg.matrix_power(root.double(), 4) @ factor.double()
+    torch.testing.assert_close(identity, torch.eye(12, dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+def test_shampoo_and_adamw8bit_train_a_least_squares_problem() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen)
+    target = x @ (0.1 * torch.randn(64, 80, generator=gen))
+    for make in (lambda p: Shampoo([p], lr=0.05, max_preconditioner_dim=32), lambda p: AdamW8bit([p], lr=0.05)):
+        w = nn.Parameter(torch.zeros(64, 80))
+        opt = make(w)
+        losses = []
+        for _ in range(30):
+            loss = ((x @ w - target) ** 2).mean()
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert losses[-1] < 0.2 * losses[0], (type(opt).__name__, losses[0], losses[-1])
+
+
+def test_blockwise_quantization_of_whole_blocks_equals_the_full_quantization() -> None:
+    x = torch.randn(256 * 9 + 100, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 2, 256 * 9 + 100)
+    code = dynamic_code(signed=True)
+    codes, absmax = quantize_blockwise(x, code, 256)
+    cut = 256 * 4
+    head, tail = quantize_blockwise(x[:cut], code, 256), quantize_blockwise(x[cut:], code, 256)
+    assert torch.equal(torch.cat([head[0], tail[0]]), codes) and torch.equal(torch.cat([head[1], tail[1]]), absmax)
+    # Negative control: a piece that starts mid-block quantizes differently.
+    assert not torch.equal(quantize_blockwise(x[cut + 100 :], code, 256)[0], codes[cut + 100 :])
+    error = (dequantize_blockwise(codes, absmax, code, 256) - x).abs()
+    assert (error <= 0.02 * absmax.repeat_interleave(256)[: x.numel()]).all()  # dynamic code: < 2% of absmax
+
+
+def test_adamw8bit_keeps_fp32_states_for_small_parameters_like_adamw() -> None:
+    ours, theirs = _muon_pair([(16, 8), (64,)])
+    _step_both(ours, theirs, AdamW8bit(ours, **ADAMW8BIT_KW), torch.optim.AdamW(theirs, **ADAMW8BIT_KW, foreach=False))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw8bit_matches_bitsandbytes() -> None:
+    """Optional oracle: bitsandbytes' CPU 8-bit AdamW (same code book, block 256)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    assert torch.equal(dynamic_code(True), bnb.functional.create_dynamic_map(signed=True))
+    assert torch.equal(dynamic_code(False), bnb.functional.create_dynamic_map(signed=False))
+    ours, theirs = _muon_pair([(64, 128), (40, 130)])
+    start = [p.detach().clone() for p in ours]
+    _step_both(ours, theirs, AdamW8bit(ours, **ADAMW8BIT_KW), bnb.optim.AdamW8bit(theirs, **ADAMW8BIT_KW))
+    for a, b, s in zip(ours, theirs, start):
+        change = (b.detach() - s).abs().max()
+        assert (a - b).abs().max() <= 0.01 * change, ((a - b).abs().max(), change)
