@@ -69,11 +69,16 @@ def live_tensor_bytes() -> int:
     """Bytes of every distinct CPU storage reachable from a live Python tensor (params, grads, optimizer
     state, flat buffers, ...). Wrapper subclasses (DTensor, RaggedShard) have no storage of their own and
     are skipped: their local tensors are found on their own. Fake tensors are skipped."""
+    import warnings
+
     from torch._subclasses.fake_tensor import FakeTensor
 
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated classes in gc's list warns
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        if isinstance(obj, FakeTensor):
             continue
         try:
             if obj.device.type != "cpu" or obj.is_meta:

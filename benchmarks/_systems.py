@@ -6,6 +6,7 @@ optimizer (plain ``torch.optim.AdamW``) is built on ``model.parameters()`` after
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -152,7 +153,9 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         return torch.compile(model), notes
     if system.key == "ddp":
         # broadcast_buffers=False: the only buffer (rotary table) is a constant.
-        return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False), notes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # broadcast_buffers: deprecated name, same meaning
+            return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False), notes
     if system.key in ("fsdp2", "fsdp2_compile"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

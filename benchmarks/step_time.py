@@ -239,7 +239,7 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
     system = SYSTEMS[key]
     # Step i's time is the slowest rank's (ranks wait for each other in the collectives anyway).
     times = [max(r["times_s"][i] for r in ranks) for i in range(len(ranks[0]["times_s"]))]
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
     r0 = ranks[0]
     copy_bytes = max(r["runtime_copy_bytes"] + r["graph_copies"]["bytes"] for r in ranks)
     comm = max(r["comm_ms"] for r in ranks)

@@ -417,6 +417,7 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m fsdp_pass`` argument parser: commands ``plan`` and ``explain``."""
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_pass",
         description="Plan fully sharded data parallel layouts offline, or show the backend's graphs.",

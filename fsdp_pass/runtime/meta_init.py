@@ -51,3 +51,4 @@ def initialize_meta_parameters(owners: list[nn.Module], meta_ids: set[int], devi
             buf, fqn = bucket_of(p)
             buf.load_full(fqn, temporary[name])
             done.add(id(p))
+        del temporary  # before the next module allocates: one module's full tensors at a time
