@@ -259,8 +259,40 @@ def _is_getitem(n: fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
 
 
+def _is_control_deps(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "control_deps"
+
+
+def _data_inputs(n: fx.Node) -> list[fx.Node]:
+    """Inputs that carry data: ``control_deps(deps, subgraph, *args)`` (Inductor's overlap-ordering
+    wrapper) carries only ``args``."""
+    if _is_control_deps(n):
+        return [a for a in n.args[2:] if isinstance(a, fx.Node)]
+    return n.all_input_nodes
+
+
+def _is_wait(n: fx.Node) -> bool:
+    if n.target is _c10d.wait_tensor.default:
+        return True
+    return _is_control_deps(n) and "wait_tensor" in str(getattr(n.args[1], "target", n.args[1]))
+
+
+def _bucket_op(n: fx.Node) -> str | None:
+    """Inductor's bucketing copy-in ops (``bucketing._pre_bucket_all_gather`` / ``_reduce_scatter``)."""
+    name = str(n.target) if n.op == "call_function" else ""
+    if name.startswith("bucketing._pre_bucket_all_gather"):
+        return "ag"
+    if name.startswith("bucketing._pre_bucket_reduce_scatter"):
+        return "rs"
+    return None
+
+
+def _is_copy_node(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target in GRAPH_COPIES or _bucket_op(n) is not None)
+
+
 def _passthrough(n: fx.Node) -> bool:
-    return n.target in VIEWS or n.target in GRAPH_COPIES or _is_getitem(n)
+    return n.target in VIEWS or _is_copy_node(n) or _is_getitem(n)
 
 
 def _nbytes(n: fx.Node) -> int:
@@ -280,7 +312,7 @@ def _feeds_collective(n: fx.Node) -> bool:
             if u in seen:
                 continue
             seen.add(u)
-            if u.target in COLLECTIVES:
+            if u.target in COLLECTIVES and cur in _data_inputs(u):
                 return True
             if _passthrough(u):
                 stack.append(u)
@@ -288,18 +320,18 @@ def _feeds_collective(n: fx.Node) -> bool:
 
 
 def _fed_by_collective(n: fx.Node) -> bool:
-    stack, seen = list(n.all_input_nodes), set()
+    stack, seen = list(_data_inputs(n)), set()
     while stack:
         cur = stack.pop()
         if cur in seen:
             continue
         seen.add(cur)
-        if cur.target is _c10d.wait_tensor.default:
-            src = cur.args[0]
-            if isinstance(src, fx.Node) and src.target in COLLECTIVES:
+        if _is_wait(cur):
+            if any(x.target in COLLECTIVES for x in _data_inputs(cur)):
                 return True
-        if _passthrough(cur) or cur.target is _c10d.wait_tensor.default:
-            stack.extend(cur.all_input_nodes)
+            stack.extend(_data_inputs(cur))
+        elif _passthrough(cur):
+            stack.extend(_data_inputs(cur))
     return False
 
 
@@ -307,6 +339,13 @@ def _origin(n: fx.Node) -> fx.Node:
     while n.op == "call_function" and (n.target in VIEWS or _is_getitem(n)) and n.all_input_nodes:
         n = n.all_input_nodes[0]
     return n
+
+
+def _from_extern(x: fx.Node) -> bool:
+    o = _origin(x)
+    if _is_control_deps(o):  # the wrapped op's name is the subgraph's
+        return any(k in str(getattr(o.args[1], "target", o.args[1])) for k in ("mm", "bmm", "attention", "wait_tensor"))
+    return o.op == "placeholder" or o.target in EXTERN or o.target is _c10d.wait_tensor.default
 
 
 def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
@@ -319,18 +358,17 @@ def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
     total = 0
     ops: dict[str, int] = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in GRAPH_COPIES:
+        if not _is_copy_node(n):
             continue
         if not (_feeds_collective(n) or _fed_by_collective(n)):
             continue
+        bucket = _bucket_op(n)
         if n.target is _aten.copy_.default:
             nbytes = _nbytes(n.args[1]) if isinstance(n.args[1], fx.Node) else 0
-        elif inductor and n.target is _aten.cat.default:
-            nbytes = 0
-            for x in n.args[0]:
-                o = _origin(x)
-                if o.op == "placeholder" or o.target in EXTERN or o.target is _c10d.wait_tensor.default:
-                    nbytes += _nbytes(x)
+        elif bucket == "ag":  # copies this rank's shards into its slot of the gather buffer
+            nbytes = _nbytes(n) // int(n.args[1])
+        elif inductor and (n.target is _aten.cat.default or bucket == "rs"):
+            nbytes = sum(_nbytes(x) for x in n.args[0] if isinstance(x, fx.Node) and _from_extern(x))
         else:
             nbytes = _nbytes(n)
         total += nbytes

@@ -173,6 +173,11 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
                 for k, v in g["ops"].items():
                     graph_copies["ops"][k] = graph_copies["ops"].get(k, 0) + v
             graph_copies["graphs"] = sorted(graphs)
+            if args.get("dump") and rank == 0:
+                os.makedirs(args["dump"], exist_ok=True)
+                for name, gm in graphs.items():
+                    Path(args["dump"], f"{key}_{name}.txt").write_text(
+                        gm.print_readable(print_output=False, include_stride=False, include_device=False))
 
         result = {
             "rank": rank,
@@ -406,12 +411,13 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=None, help=f"comma-separated keys or globs of: {', '.join(SYSTEMS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and 3 steps: checks that everything runs")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system before its ranks are killed")
+    ap.add_argument("--dump-graphs", default=None, help="write the compiled FSDP systems' graphs here (rank 0)")
     ap.add_argument("--out", type=Path, default=None, help="result path stem (default benchmarks/results/step_time)")
     a = ap.parse_args(argv)
     steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     batch_size = a.batch or (QUICK_BATCH if a.quick else PER_RANK_BATCH[a.model])
     args = {"model": a.model, "world_size": a.world_size, "steps": steps, "warmup": max(2, a.warmup),
-            "batch": batch_size, "quick": a.quick}
+            "batch": batch_size, "quick": a.quick, "dump": a.dump_graphs}
     keys = select(a.systems)
 
     cfg = (QUICK_CONFIGS if a.quick else CONFIGS)[a.model]

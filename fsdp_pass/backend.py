@@ -113,7 +113,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     mesh = resolve_mesh(opts.mesh, opts.shard_dim)
     check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
     blocks = block_sizes(sites, opts.block_sizes)
-    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype)
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
     buckets, new = assign_buckets(sites, blocks, mesh, config)
     for buf in new:
         log.plan(buf)

@@ -315,7 +315,7 @@ def plan_model(
     with fake_process_group(math.prod(mesh_shape)):
         # fully_shard's sharding step without its initialization of meta parameters (planning needs no values).
         mesh = resolve_mesh(init_device_mesh("cpu", mesh_shape), argument="the planning mesh")
-        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size), blocks)
+        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks)
         stats = [
             BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
                         buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad)

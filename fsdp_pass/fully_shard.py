@@ -22,6 +22,7 @@ def fully_shard(
     *,
     shard_dim: int | None = None,
     bucket_size: int | None = None,
+    min_bucket_bytes: int | None = None,
     block_sizes: Mapping[str, Any] | None = None,
     align_bytes: int = 16,
 ) -> nn.Module:
@@ -40,6 +41,7 @@ def fully_shard(
         mesh: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) DeviceMesh; default all ranks.
         shard_dim: the sharding dim of a 2-D mesh (default: the last).
         bucket_size: most elements in one bucket.
+        min_bucket_bytes: smaller units are merged with neighbours (default: cost model; 0: never).
         block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
         align_bytes: alignment of tensor starts and shard sizes.
     """
@@ -48,6 +50,6 @@ def fully_shard(
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     meta_ids = {id(p) for _, p in named if p.is_meta}
     owners = meta_parameter_owners(module, meta_ids)  # before sharding: errors leave the module as is
-    shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes), blocks)
+    shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes), blocks)
     initialize_meta_parameters(owners, meta_ids, torch.device(sharding_mesh.device_type))
     return module

@@ -47,12 +47,12 @@ class RaggedShard:
     local_units: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "local_units", tuple(int(u) for u in self.local_units))
+        object.__setattr__(self, "local_units", tuple(map(int, self.local_units)))
         if self.block < 1:
             raise ValueError(f"RaggedShard block must be >= 1 element, got {self.block}")
         if not self.local_units:
             raise ValueError("RaggedShard needs one entry of local_units per rank, got none")
-        if any(u < 0 for u in self.local_units):
+        if min(self.local_units) < 0:
             raise ValueError(f"RaggedShard local_units must be >= 0, got {self.local_units}")
 
     # -- constructors -------------------------------------------------------------------------

@@ -137,10 +137,12 @@ class Layout:
         """The tensor's :class:`RaggedShard` in this layout (block counts per rank)."""
         spec = self._by_name[name]
         block = max(spec.block, 1)
-        units = []
-        for r in range(self.world_size):
-            a, b = self.local_range(name, r)
-            units.append((b - a) // block)
+        units = [0] * self.world_size
+        lo, hi = self.global_range(name)
+        if hi > lo:  # only the ranks the tensor spans hold blocks (cheap at 16384 ranks)
+            for r in range(lo // self.shard_size, (hi - 1) // self.shard_size + 1):
+                a, b = self.local_range(name, r)
+                units[r] = (b - a) // block
         return RaggedShard(block, tuple(units))
 
     def segments(self) -> list[tuple[str | None, int]]:

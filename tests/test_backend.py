@@ -48,7 +48,8 @@ def _structure_worker(rank: int, world: int, compiler: str) -> None:
         before = len(records())
         torch.manual_seed(0)
         model = MLP()
-        compiled = torch.compile(model, backend="vescale", options={"compiler": compiler, "reshard_after_forward": reshard})
+        compiled = torch.compile(model, backend="vescale", options={"compiler": compiler, "reshard_after_forward": reshard,
+                                                                   "min_bucket_bytes": 0})
         compiled(torch.randn(4, 19)).sum().backward()
         (record,) = records()[before:]
         fw, bw = record.modules["forward"], record.modules["backward"]

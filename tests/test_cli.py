@@ -53,7 +53,7 @@ def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
     assert out["params"] == total
     assert (total + padding) % m == 0
     assert out["per_rank_bytes"]["params"] == (total + padding) // m * torch.bfloat16.itemsize
-    assert out["buckets"]["count"] == 81  # 80 layers + the top-level parameters
+    assert out["buckets"]["count"] == 83  # 80 layers + embeddings, final norm, output head
     # Ring all-gather: each rank sends (m-1)/m of the gathered model.
     assert out["comm_bytes_per_rank"]["all_gather_forward"] == (m - 1) * out["per_rank_bytes"]["params"]
 

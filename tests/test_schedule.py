@@ -67,7 +67,7 @@ def _max_in_flight_gathered_bytes(gm: fx.GraphModule) -> int:
 def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     torch._dynamo.reset()
     before = len(records())
-    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler})
+    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler, "min_bucket_bytes": 0})
     compiled(torch.randn(4, 19)).sum().backward()
     (record,) = records()[before:]
     _check_forward(record.modules["forward"])
@@ -84,7 +84,8 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     torch._dynamo.reset()
     before = len(records())
     bound = 880 * 4  # bytes of the largest bucket (37x23 + 23 + padding, fp32): one bucket at a time
-    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler, "max_inflight_bytes": bound})
+    compiled = torch.compile(MLP(), backend="vescale", options={"compiler": compiler, "max_inflight_bytes": bound,
+                                                                     "min_bucket_bytes": 0})
     compiled(torch.randn(4, 19)).sum().backward()
     (record,) = records()[before:]
     for stage in ("forward", "backward"):

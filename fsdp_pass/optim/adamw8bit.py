@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..placement import RaggedShard
 from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
-from .blockwise import BlockJob, annotate_block, flat_piece, layout_of, run_on_whole_blocks, warn_gathered
+from .blockwise import BlockJob, annotate_block, flat_piece, gradient_layout, run_on_whole_blocks, warn_gathered
 from .dynamic_code import block_count, dequantize_blockwise, dynamic_code, quantize_blockwise
 
 __all__ = ["AdamW8bit"]
@@ -57,7 +57,9 @@ class AdamW8bit(torch.optim.Optimizer):
         min_8bit_size: int = 4096,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"AdamW8bit needs lr, eps, weight_decay >= 0 and 0 <= betas < 1; got {lr}, {eps}, {weight_decay}, {betas}")
+            raise ValueError(
+                f"AdamW8bit needs lr, eps, weight_decay >= 0, 0 <= betas < 1; got {lr}, {eps}, {weight_decay}, {betas}"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
@@ -85,7 +87,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["step"] = state.get("step", 0) + 1
                 # fp32 moments are elementwise: any layout works (block of one element).
                 block = group["block_size"] if _is_8bit(p, group) else 1
-                jobs.append(BlockJob(p, flat_piece(p.grad), layout_of(p.grad), block, float(p.numel())))
+                jobs.append(BlockJob(p, flat_piece(p.grad), gradient_layout(p), block, float(p.numel())))
                 groups[p] = group
         direction = lambda p, piece, layout: self._direction(p, piece, layout, groups[p])  # noqa: E731
         outputs, gathered = run_on_whole_blocks(jobs, direction)
@@ -104,7 +106,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if "exp_avg" not in state:
             _init_moments(state, p.shape, grad, layout, group["block_size"], quantized)
         if quantized:
-            exp_avg, exp_avg_sq = (_load_quantized(state, name, signed, group["block_size"]) for name, signed in MOMENTS)
+            exp_avg, exp_avg_sq = (_load_quantized(state, n, signed, group["block_size"]) for n, signed in MOMENTS)
         else:
             exp_avg, exp_avg_sq = flat_piece(state["exp_avg"]), flat_piece(state["exp_avg_sq"])
         exp_avg.lerp_(grad, 1 - beta1)

@@ -32,6 +32,7 @@ __all__ = [
     "BlockJob",
     "annotate_block",
     "flat_piece",
+    "gradient_layout",
     "layout_of",
     "respects_blocks",
     "run_on_whole_blocks",
@@ -52,12 +53,24 @@ def layout_of(t: Tensor) -> RaggedSpec | None:
     return t._spec if isinstance(t, RaggedShardTensor) else None
 
 
+def gradient_layout(param: Tensor) -> RaggedSpec | None:
+    """The layout of ``param.grad``, which must be the parameter's own (the math pairs their pieces)."""
+    layout, own = layout_of(param.grad), layout_of(param)
+    if layout != own:
+        describe = lambda spec: "plain" if spec is None else spec.describe()  # noqa: E731
+        raise ValueError(
+            f"gradient ({describe(layout)}) and parameter ({describe(own)}) have different layouts; "
+            f"give the gradient its parameter's placement"
+        )
+    return layout
+
+
 def annotate_block(param: Tensor, *, rows: int | None = None, elements: int | None = None) -> None:
     """``set_block`` on a parameter that is not sharded yet, so a later shard keeps the block whole.
 
     An already sharded parameter keeps its layout (blocks cut by it are handled by gathering).
     """
-    if not isinstance(param, RaggedShardTensor):
+    if param.numel() and not isinstance(param, RaggedShardTensor):
         set_block(param, rows=rows, elements=elements)
 
 

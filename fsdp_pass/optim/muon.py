@@ -21,8 +21,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..runtime.ragged_tensor import RaggedSpec
-from .blockwise import BlockJob, annotate_block, flat_piece, layout_of, run_on_whole_blocks, warn_gathered
+from .blockwise import BlockJob, annotate_block, flat_piece, gradient_layout, run_on_whole_blocks, warn_gathered
 
 __all__ = ["Muon", "muon_param_groups", "zeropower_via_newtonschulz"]
 
@@ -55,7 +54,7 @@ def zeropower_via_newtonschulz(
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """``lr`` scaled for a matrix of ``shape``: "original" ``sqrt(max(1, A/B))`` or "match_rms_adamw" ``0.2 sqrt(max(A, B))``."""
+    """``lr`` scaled for an ``A × B`` matrix: "original" ``sqrt(max(1, A/B))``, else ``0.2 sqrt(max(A, B))``."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
@@ -136,7 +135,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 update = self._momentum_update(p, group)
-                jobs.append(BlockJob(p, update.to(group["ns_dtype"]), _grad_layout(p), p.numel(), _ns_cost(p.shape)))
+                jobs.append(BlockJob(p, update.to(group["ns_dtype"]), gradient_layout(p), p.numel(), _ns_cost(p.shape)))
                 groups[p] = group
         orthogonalize = lambda p, piece, layout: _orthogonalize(piece, p.shape, groups[p])  # noqa: E731
         outputs, gathered = run_on_whole_blocks(jobs, orthogonalize)
@@ -158,7 +157,6 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
 
-
 def _orthogonalize(piece: Tensor, shape: torch.Size, group: dict) -> Tensor:
     """Newton–Schulz on a piece holding the whole matrix; an empty piece (another rank's matrix) stays empty."""
     if piece.numel() == 0:
@@ -167,13 +165,6 @@ def _orthogonalize(piece: Tensor, shape: torch.Size, group: dict) -> Tensor:
         piece.view(shape), group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
     )
     return ortho.reshape(-1)
-
-
-def _grad_layout(p: Tensor) -> RaggedSpec | None:
-    layout = layout_of(p.grad)
-    if layout != layout_of(p):
-        raise ValueError(f"gradient layout {layout} differs from its parameter's {layout_of(p)}")
-    return layout
 
 
 def _ns_cost(shape: torch.Size) -> float:

@@ -9,7 +9,7 @@ Kronecker factors and Adam-grafting state::
     L⁻¹ᐟ⁴, R⁻¹ᐟ⁴ from eigh(L), eigh(R) in float64, eigenvalues clamped at 0, plus eps
                                    (every ``precondition_frequency`` steps, from the first)
     v ← β₂ v + (1-β₂) G²           adam = G / (sqrt(v / (1-β₂ᵗ)) + eps)
-    direction = P · ‖adam‖ / ‖P‖   where P = L⁻¹ᐟ⁴ G R⁻¹ᐟ⁴     (Adam grafting: Shampoo's direction, Adam's size)
+    direction = P · ‖adam‖ / ‖P‖, P = L⁻¹ᐟ⁴ G R⁻¹ᐟ⁴   (Adam grafting: Shampoo's direction, Adam's size)
 
 then, elementwise on the parameter's pieces: ``m ← β₁ m + (1-β₁) direction`` (a buffer in the
 parameter's layout), ``p ← p (1 - lr·wd) - lr·m``.
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.ragged_tensor import RaggedSpec
-from .blockwise import BlockJob, annotate_block, flat_piece, layout_of, run_on_whole_blocks, warn_gathered
+from .blockwise import BlockJob, annotate_block, flat_piece, gradient_layout, run_on_whole_blocks, warn_gathered
 
 __all__ = ["Shampoo", "matrix_shape", "panel_rows"]
 
@@ -44,7 +44,7 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
 def panel_rows(shape: torch.Size, max_preconditioner_dim: int) -> int:
     """Rows per preconditioner panel: the largest divisor of the row count that is at most the limit."""
     rows = matrix_shape(shape)[0]
-    return max(d for d in range(1, min(rows, max_preconditioner_dim) + 1) if rows % d == 0)
+    return max((d for d in range(1, min(rows, max_preconditioner_dim) + 1) if rows % d == 0), default=1)
 
 
 def inverse_fourth_root(factor: Tensor, eps: float) -> Tensor:
@@ -78,7 +78,9 @@ class Shampoo(torch.optim.Optimizer):
         precondition_frequency: int = 1,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"Shampoo needs lr, eps, weight_decay >= 0 and 0 <= betas < 1; got {lr}, {eps}, {weight_decay}, {betas}")
+            raise ValueError(
+                f"Shampoo needs lr, eps, weight_decay >= 0 and 0 <= betas < 1; got {lr}, {eps}, {weight_decay}, {betas}"
+            )
         if max_preconditioner_dim < 1 or precondition_frequency < 1:
             raise ValueError("max_preconditioner_dim and precondition_frequency must be >= 1")
         defaults = dict(
@@ -107,7 +109,7 @@ class Shampoo(torch.optim.Optimizer):
                 state["step"] = state.get("step", 0) + 1
                 rows = panel_rows(p.shape, group["max_preconditioner_dim"])
                 panel = rows * matrix_shape(p.shape)[1]
-                jobs.append(BlockJob(p, flat_piece(p.grad), layout_of(p.grad), panel, float(p.numel() * rows)))
+                jobs.append(BlockJob(p, flat_piece(p.grad), gradient_layout(p), panel, float(p.numel() * rows)))
                 groups[p] = group
         precondition = lambda p, piece, layout: self._direction(p, piece, layout, groups[p])  # noqa: E731
         outputs, gathered = run_on_whole_blocks(jobs, precondition)
@@ -156,7 +158,9 @@ def _new_block_state(g: Tensor) -> dict[str, Tensor]:
     }  # fmt: skip
 
 
-def _grafted_direction(block: dict[str, Tensor], g: Tensor, step: int, beta2: float, eps: float, refresh: bool) -> Tensor:
+def _grafted_direction(
+    block: dict[str, Tensor], g: Tensor, step: int, beta2: float, eps: float, refresh: bool
+) -> Tensor:
     block["left"].mul_(beta2).add_(g @ g.T, alpha=1 - beta2)
     block["right"].mul_(beta2).add_(g.T @ g, alpha=1 - beta2)
     if refresh:

@@ -60,7 +60,9 @@ def _per_element(scale_inv: Tensor, rows: int, cols: int, tile: int) -> Tensor:
 
 def _check_weight(weight: Tensor, tile: int) -> None:
     if weight.dim() != 2 or tile < 1:
-        raise ValueError(f"block quantization takes a 2-D weight and a tile >= 1, got shape {tuple(weight.shape)}, tile {tile}")
+        raise ValueError(
+            f"block quantization takes a 2-D weight and a tile >= 1, got shape {tuple(weight.shape)}, tile {tile}"
+        )
 
 
 @torch.library.custom_op("fsdp_pass::fp8_block_quantize", mutates_args=())
@@ -82,13 +84,17 @@ def int8_block_quantize(weight: Tensor, tile: int = TILE) -> tuple[Tensor, Tenso
 
 
 @torch.library.custom_op("fsdp_pass::fp8_block_dequantize", mutates_args=())
-def fp8_block_dequantize(quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32) -> Tensor:
+def fp8_block_dequantize(
+    quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The ``dtype`` weight that a float8 weight and its per-tile ``scale_inv`` stand for."""
     return (quantized.float() * _per_element(scale_inv, *quantized.shape, tile)).to(dtype)
 
 
 @torch.library.custom_op("fsdp_pass::int8_block_dequantize", mutates_args=())
-def int8_block_dequantize(quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32) -> Tensor:
+def int8_block_dequantize(
+    quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The ``dtype`` weight that an int8 weight and its per-tile ``scale_inv`` stand for."""
     return (quantized.float() * _per_element(scale_inv, *quantized.shape, tile)).to(dtype)
 
@@ -96,12 +102,15 @@ def int8_block_dequantize(quantized: Tensor, scale_inv: Tensor, tile: int = TILE
 def _fake_quantize(qdtype: torch.dtype):
     def fake(weight: Tensor, tile: int = TILE) -> tuple[Tensor, Tensor]:
         _check_weight(weight, tile)
-        return weight.new_empty(weight.shape, dtype=qdtype), weight.new_empty(_tile_grid(*weight.shape, tile), dtype=torch.float32)
+        grid = _tile_grid(*weight.shape, tile)
+        return weight.new_empty(weight.shape, dtype=qdtype), weight.new_empty(grid, dtype=torch.float32)
 
     return fake
 
 
-def _fake_dequantize(quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32) -> Tensor:
+def _fake_dequantize(
+    quantized: Tensor, scale_inv: Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32
+) -> Tensor:
     return quantized.new_empty(quantized.shape, dtype=dtype)
 
 
@@ -136,7 +145,9 @@ def int8_block_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return _block_linear(x, weight, bias, int8_block_quantize, int8_block_dequantize)
 
 
-def quantize_sharded(weight: RaggedShardTensor, fmt: str = "fp8", tile: int = TILE) -> tuple[RaggedShardTensor, RaggedShardTensor]:
+def quantize_sharded(
+    weight: RaggedShardTensor, fmt: str = "fp8", tile: int = TILE
+) -> tuple[RaggedShardTensor, RaggedShardTensor]:
     """Block-quantize a sharded 2-D weight without communication: each rank quantizes its own panels.
 
     Returns ``(quantized, scale_inv)`` as RaggedShardTensors: the quantized weight in the weight's
