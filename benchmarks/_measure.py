@@ -92,17 +92,26 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def in_step_peak_bytes(events) -> int:
-    """Peak of (bytes allocated - bytes freed) over the profiled step, from the profiler's memory events.
+def in_step_peak_bytes(prof) -> int:
+    """Peak of live bytes allocated during the profiled step, above the level at its start.
 
-    The allocator reports only blocks allocated while profiling, so this is the step's transient peak
-    above what was live at its start."""
-    mem = sorted((e.time_range.start, e.cpu_memory_usage) for e in events if e.name == "[memory]")
-    cur = peak = 0
-    for _, nbytes in mem:
-        cur += nbytes
-        peak = max(peak, cur)
-    return peak
+    From the profiler's allocation records (``profile_memory=True``): each carries the CPU allocator's
+    running total of bytes allocated while profiling and not yet freed, so this is the step's transient
+    peak on top of what was live when it began (activations, gathered parameters, gradients, buffers)."""
+    from torch._C._profiler import _EventType
+
+    records = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            records.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
+    if not records:
+        return 0
+    records.sort()
+    start = records[0][2] - records[0][1]
+    return max(0, max(total for _, _, total in records) - start)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,7 +254,7 @@ GRAPH_COPIES = {_aten.cat.default, _aten.copy_.default, _aten.copy.default, _ate
                 _aten.slice_scatter.default}
 if hasattr(_aten, "chunk_cat"):
     GRAPH_COPIES.add(_aten.chunk_cat.default)
-VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.split_with_sizes.default,
+VIEWS = {_aten.view.default, _aten.view.dtype, _aten._unsafe_view.default, _aten.reshape.default, _aten.split_with_sizes.default,
          _aten.split.Tensor, _aten.slice.Tensor, _aten.t.default, _aten.permute.default, _aten.transpose.int,
          _aten.expand.default, _aten.alias.default, _aten.as_strided.default, _aten.squeeze.dim,
          _aten.unsqueeze.default, _aten.narrow.default, _aten.select.int, _aten.squeeze.default}

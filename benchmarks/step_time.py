@@ -161,12 +161,15 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
         if main_tid is None:
             main_tid = threading.get_native_id()
         prof_stats = M.analyze_profile(events, main_tid)
-        transient = M.in_step_peak_bytes(events)
+        transient = M.in_step_peak_bytes(prof)
 
         graph_copies = {"bytes": 0, "ops": {}}
         if system.compiled_fsdp:
             if system.fsdp_pass is not None:
                 graphs.update(fsdp_pass_graphs())
+                from fsdp_pass.backend import records
+
+                notes["buckets"] = [repr(b) for rec in records() for b in rec.buffers]
             for name, gm in graphs.items():
                 g = M.graph_copy_bytes(gm, inductor=system.inductor)
                 graph_copies["bytes"] += g["bytes"]

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .passes.detect import block_size
 from .runtime.mesh import resolve_mesh
 from .runtime.meta_init import initialize_meta_parameters, meta_parameter_owners
-from .runtime.sharding import ShardingConfig, shard_parameters
+from .runtime.sharding import ShardingConfig, check_one_device, shard_parameters
 
 __all__ = ["fully_shard"]
 
@@ -48,6 +48,7 @@ def fully_shard(
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh")
     named = list(module.named_parameters(remove_duplicate=True))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
     owners = meta_parameter_owners(module, meta_ids)  # before sharding: errors leave the module as is
     shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes), blocks)

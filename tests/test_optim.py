@@ -20,10 +20,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_harness import run_distributed
+from models import MLP
+from parity import Case, run_case
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 from fsdp_pass.optim.blockwise import respects_blocks
@@ -199,11 +202,51 @@ def _assert_states_equal(sharded, plain, opt, ref) -> None:
             assert same, (s.shape, key)
 
 
+class MuonAndAdamW:
+    """Muon for the matrices, AdamW for the rest: the usual pairing, as one optimizer object."""
+
+    def __init__(self, params) -> None:
+        params = list(params)
+        self.muon = Muon([p for p in params if p.ndim == 2], **MUON_KW, ns_dtype=torch.float32)
+        self.adamw = torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self) -> None:
+        self.muon.zero_grad()
+        self.adamw.zero_grad()
+
+
+def _check_muon_through_vescale_compile(rank: int, world: int) -> None:
+    """Built before torch.compile(backend="vescale"): the detect pass sees the annotations."""
+    built = []
+
+    def make(params):
+        built.append(MuonAndAdamW(params))  # first: the sharded model's; second: the reference's
+        return built[-1]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_case(Case("mlp/muon", MLP, _mlp_batch, F.mse_loss, steps=5, optimizer=make, tolerance=1e-5), rank, world)
+    assert not [w for w in caught if "Muon" in str(w.message)]  # no gather: the annotation reached the planner
+    for p in built[0].muon.param_groups[0]["params"]:
+        assert sum(1 for n in p.placement.local_units if n) == 1, p.placement
+
+
+def _mlp_batch(step: int, batch: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(batch, 19, generator=gen), torch.randn(batch, 5, generator=gen)
+
+
 def _all_checks(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     _check_muon(mesh, world)
     _check_shampoo(mesh, world)
     _check_adamw8bit(mesh, world)
+    if world == 2:
+        _check_muon_through_vescale_compile(rank, world)
 
 
 @pytest.mark.slow
@@ -319,7 +362,7 @@ def test_blockwise_quantization_of_whole_blocks_equals_the_full_quantization() -
     # Negative control: a piece that starts mid-block quantizes differently.
     assert not torch.equal(quantize_blockwise(x[cut + 100 :], code, 256)[0], codes[cut + 100 :])
     error = (dequantize_blockwise(codes, absmax, code, 256) - x).abs()
-    assert (error <= 0.02 * absmax.repeat_interleave(256)[: x.numel()]).all()  # dynamic code: < 2% of absmax
+    assert (error <= 0.01 * absmax.repeat_interleave(256)[: x.numel()]).all()  # measured: 0.7% of absmax
 
 
 def test_adamw8bit_keeps_fp32_states_for_small_parameters_like_adamw() -> None:

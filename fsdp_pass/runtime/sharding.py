@@ -16,7 +16,7 @@ from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor
 from .swap import check_swappable, swap_in_place
 
-__all__ = ["ShardingConfig", "bucket_of", "is_sharded", "shard_parameters"]
+__all__ = ["ShardingConfig", "bucket_of", "check_one_device", "is_sharded", "shard_parameters"]
 
 _BUCKET_ATTR = "_fsdp_pass_bucket"
 _bucket_ids = itertools.count()  # names buckets uniquely in graphs and logs
@@ -75,11 +75,27 @@ def unit_key(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def check_one_device(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise unless every parameter is on one device."""
+    devices = {p.device for _, p in named_params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {sorted(map(str, devices))}; move the model to one device "
+            f"(model.to(device)) before sharding"
+        )
+
+
 def _check_parameter(name: str, p: torch.Tensor) -> None:
     if is_sharded(p):
         return
     if isinstance(p, RaggedShardTensor):
         raise ValueError(f"parameter {name!r} is a RaggedShardTensor that no DBuffer owns; pass plain parameters")
+    if not p.is_contiguous():
+        raise ValueError(
+            f"parameter {name!r} (shape {tuple(p.shape)}, stride {p.stride()}) is not contiguous; sharded "
+            f"parameters are flat ranges of a row-major tensor. Make it contiguous before sharding, e.g. "
+            f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(param.detach().contiguous())"
+        )
     if p.is_complex() or not p.is_floating_point():
         raise TypeError(
             f"parameter {name!r} has dtype {p.dtype} (shape {tuple(p.shape)}); only real floating-point "
@@ -107,12 +123,7 @@ def shard_parameters(
             continue
         seen.add(id(p))
         todo.append((name, p))
-    devices = {p.device for _, p in todo}
-    if len(devices) > 1:
-        raise ValueError(
-            f"parameters are on several devices {sorted(map(str, devices))}; move the model to one device "
-            f"(model.to(device)) before sharding"
-        )
+    check_one_device(todo)
 
     # Units in first-use order; within a unit, one group per (dtype, trainable).
     units: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
