@@ -92,6 +92,15 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
+STEP_SCOPE = "step_time::analysed_step"
+
+
+def step_window(events) -> tuple[float, float]:
+    """(start, end) in microseconds of the analysed step (the ``STEP_SCOPE`` record_function)."""
+    e = next(e for e in events if e.name == STEP_SCOPE)
+    return e.time_range.start, e.time_range.end
+
+
 def in_step_peak_bytes(prof) -> int:
     """Peak of live bytes allocated during the profiled step, above the level at its start.
 
@@ -110,8 +119,21 @@ def in_step_peak_bytes(prof) -> int:
     if not records:
         return 0
     records.sort()
-    start = records[0][2] - records[0][1]
-    return max(0, max(total for _, _, total in records) - start)
+    lo, hi = _scope_ns(prof)
+    before = [total for t, _, total in records if t < lo]
+    start = before[-1] if before else records[0][2] - records[0][1]
+    inside = [total for t, _, total in records if lo <= t <= hi]
+    return max(0, max(inside, default=start) - start)
+
+
+def _scope_ns(prof) -> tuple[int, int]:
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name == STEP_SCOPE:
+            return e.start_time_ns, e.end_time_ns
+        stack.extend(e.children)
+    raise RuntimeError(f"no {STEP_SCOPE} event")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,8 +215,9 @@ def _intersection(a, b) -> float:
     return total
 
 
-def analyze_profile(events, main_thread: int) -> dict:
-    """Copies by data-parallel machinery, comm-internal copies, collective time and its overlap."""
+def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> dict:
+    """Copies by data-parallel machinery, comm-internal copies, collective time and its overlap, in
+    the analysed step (``window``; collectives are clipped to it)."""
     machinery_bytes = machinery_us = comm_internal_bytes = 0.0
     machinery_ops: dict[str, int] = {}
     comm_iv, compute_iv = [], []
@@ -202,8 +225,10 @@ def analyze_profile(events, main_thread: int) -> dict:
         if e.name == "[memory]":
             continue
         start, end = e.time_range.start, e.time_range.end
+        if end <= window[0] or start >= window[1]:
+            continue
         if e.name.startswith("gloo:"):
-            comm_iv.append((start, end))
+            comm_iv.append((max(start, window[0]), min(end, window[1])))
             continue
         if e.thread != main_thread:
             continue

@@ -142,25 +142,28 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
             times.append(time.perf_counter() - t0)
         peak_rss = M.peak_rss_bytes() - rss0
 
-        # One profiled step: memory, copies, overlap.
-        from torch.profiler import ProfilerActivity, profile
+        # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
+        # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
+        # the allocator records, so their release during the analysed step is seen too.
+        from torch.profiler import ProfilerActivity, profile, record_function
 
         M.trim()
-        persistent = M.live_tensor_bytes()
-        if key == "ddp":  # the reducer's flat gradient buckets live in C++, out of the Python walk
-            persistent += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         barrier()
+        n = args["warmup"] + args["steps"]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
-            t0 = time.perf_counter()
-            step(args["warmup"] + args["steps"])
-            profiled_s = time.perf_counter() - t0
+            step(n)
+            persistent = M.live_tensor_bytes()
+            if key == "ddp":  # the reducer's flat gradient buckets live in C++, out of the Python walk
+                persistent += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            barrier()
+            with record_function(M.STEP_SCOPE):
+                t0 = time.perf_counter()
+                step(n + 1)
+                profiled_s = time.perf_counter() - t0
         events = prof.events()
-        import threading
-
-        main_tid = next((e.thread for e in events if e.name.startswith("Optimizer.step")), None)
-        if main_tid is None:
-            main_tid = threading.get_native_id()
-        prof_stats = M.analyze_profile(events, main_tid)
+        window = M.step_window(events)
+        main_tid = next(e.thread for e in events if e.name == M.STEP_SCOPE)
+        prof_stats = M.analyze_profile(events, main_tid, window)
         transient = M.in_step_peak_bytes(prof)
 
         graph_copies = {"bytes": 0, "ops": {}}

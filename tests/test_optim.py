@@ -119,7 +119,7 @@ def _run_parity(mesh, cls, shapes, kwargs, owner_local: bool, block_of) -> tuple
                 sharded_opt.step()
             plain_opt.step()
             counters.append(counter)
-    for i, (s, p) in enumerate(zip(sharded, plain)):
+    for s, p in zip(sharded, plain):
         full = s.full_tensor()
         assert torch.equal(full, p.detach()), f"{cls.__name__} {tuple(p.shape)}: max diff {(full - p).abs().max()}"
     ours = [str(w.message) for w in caught if cls.__name__ in str(w.message)]
