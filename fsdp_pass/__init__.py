@@ -8,7 +8,7 @@
 from . import backend as _backend  # registers the "vescale" backend
 from .explain import explain
 from .fully_shard import fully_shard
-from .passes.detect import set_block
+from .runtime.annotations import set_block
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor

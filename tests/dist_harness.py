@@ -12,13 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> None:
+def _worker(rank: int, world_size: int, init_file: str, fn, args, errors, pg_timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=pg_timeout),
         )
         fn(rank, world_size, *args)
     except BaseException:
@@ -29,17 +29,18 @@ def _worker(rank: int, world_size: int, init_file: str, fn, args, errors) -> Non
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> None:
+def run_distributed(fn, world_size: int, *args, timeout: float = 300, pg_timeout: float = 60) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into spawned processes). ``pg_timeout``
+    is the process group's collective timeout; ``timeout`` bounds the whole run.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, errors), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, errors, pg_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..passes.detect import set_block
+from ..runtime.annotations import set_block
 from ..placement import RaggedShard
 from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
 

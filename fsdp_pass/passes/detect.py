@@ -11,7 +11,9 @@ A parameter's *block* (elements that no rank boundary may cut) is the LCM of wha
 * ``options["block_sizes"]``: ``{fnmatch pattern on the FQN: rows}`` or ``{pattern: {"elements": n}}``;
 * a reshape that splits dim 0 into ``(blocks, b, ...)`` (block-wise quantization) → ``b`` rows;
 * ``split``/``chunk``/``unbind`` of the parameter along dim 0 (fused QKV, fused experts) → each piece
-  starts on a block boundary: the GCD of the piece sizes, in rows.
+  starts on a block boundary: the GCD of the piece sizes, in rows;
+* ``fsdp_pass::fp8_block_quantize`` / ``int8_block_quantize`` of the parameter → panels of ``tile``
+  (128) rows, so every rank quantizes whole tiles.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["ParamSite", "block_size", "block_sizes", "find_parameters", "set_block"]
+from ..quant import BLOCK_QUANTIZE_OPS  # importing registers the ops
+from ..runtime.annotations import annotated_block
 
-_BLOCK_ATTR = "_fsdp_pass_block"
+__all__ = ["ParamSite", "block_size", "block_sizes", "find_parameters"]
+
 
 
 @dataclass
@@ -39,21 +43,6 @@ class ParamSite:
     node: fx.Node
     name: str  # fully qualified name, from the Dynamo source
     param: nn.Parameter
-
-
-def set_block(param: nn.Parameter, *, rows: int | None = None, elements: int | None = None) -> nn.Parameter:
-    """Annotate ``param`` so no rank boundary cuts a block of ``rows`` rows (or ``elements`` elements)."""
-    if (rows is None) == (elements is None):
-        raise ValueError("set_block needs exactly one of rows= or elements=")
-    row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
-    block = elements if elements is not None else rows * row
-    if block < 1 or param.numel() % block:
-        raise ValueError(
-            f"block of {block} elements does not divide parameter of shape {tuple(param.shape)}; "
-            f"choose rows dividing {param.shape[0] if param.dim() else 1} or elements dividing {param.numel()}"
-        )
-    setattr(param, _BLOCK_ATTR, math.lcm(getattr(param, _BLOCK_ATTR, 1), block))
-    return param
 
 
 _SOURCE_PART = re.compile(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)")
@@ -110,7 +99,7 @@ def block_size(
     """The LCM of the blocks the annotation, the options and (given a graph node) the graph ask for."""
     shape = tuple(param.shape)
     row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    block = getattr(param, _BLOCK_ATTR, 1)
+    block = annotated_block(param)
     for pattern, value in (options_blocks or {}).items():
         if fnmatch.fnmatchcase(name, pattern):
             block = math.lcm(block, _override_elements(name, shape, row, value))
@@ -154,6 +143,10 @@ def _graph_block_rows(node: fx.Node, shape: tuple[int, ...]) -> list[int]:
     rows = shape[0]
     found = []
     for user in node.users:
+        if user.target in BLOCK_QUANTIZE_OPS and user.args[:1] == (node,):
+            tile = user.args[1] if len(user.args) > 1 else user.kwargs.get("tile", 128)
+            found.append(tile if rows % tile == 0 else rows)  # whole tiles; the whole tensor if 128 does not divide
+            continue
         name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
         if name in ("view", "reshape"):
             out = _shape_of(user)
