@@ -93,6 +93,7 @@ def live_tensor_bytes() -> int:
 
 
 STEP_SCOPE = "step_time::analysed_step"
+PHASES = ("step_time::forward", "step_time::backward", "step_time::optimizer")
 
 
 def step_window(events) -> tuple[float, float]:
@@ -221,6 +222,7 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
     machinery_bytes = machinery_us = comm_internal_bytes = 0.0
     machinery_ops: dict[str, int] = {}
     comm_iv, compute_iv = [], []
+    phase_us = {p.split("::")[1]: 0.0 for p in PHASES}
     for e in events:
         if e.name == "[memory]":
             continue
@@ -231,6 +233,9 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
             comm_iv.append((max(start, window[0]), min(end, window[1])))
             continue
         if e.thread != main_thread:
+            continue
+        if e.name in PHASES:
+            phase_us[e.name.split("::")[1]] += end - start
             continue
         anc = list(_ancestors(e))
         in_comm = any(COMM.match(a.name) for a in anc)
@@ -260,6 +265,7 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
         "comm_ms": comm_us / 1e3,
         "comm_hidden_ms": hidden_us / 1e3,
         "compute_ms": _length(compute) / 1e3,
+        "phase_ms": {k: v / 1e3 for k, v in phase_us.items()},
     }
 
 

@@ -115,12 +115,17 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
 
         losses = []
 
+        from torch.profiler import record_function
+
         def step(i: int) -> None:
             tokens = batch(cfg, bs, rank, i)
-            loss = lm_loss(model(tokens), tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with record_function(M.PHASES[0]):
+                loss = lm_loss(model(tokens), tokens)
+            with record_function(M.PHASES[1]):
+                loss.backward()
+            with record_function(M.PHASES[2]):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
 
         t0 = time.perf_counter()
@@ -145,7 +150,7 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
         # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
         # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
         # the allocator records, so their release during the analysed step is seen too.
-        from torch.profiler import ProfilerActivity, profile, record_function
+        from torch.profiler import ProfilerActivity, profile
 
         M.trim()
         barrier()
@@ -283,6 +288,7 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
         "comm_hidden_ms": hidden,
         "hidden_fraction": (hidden / comm) if comm > 0 else None,
         "compute_ms": max(r["compute_ms"] for r in ranks),
+        "phase_ms": {k: max(r["phase_ms"][k] for r in ranks) for k in r0["phase_ms"]},
         "losses_rank0": r0["losses"],
         "notes": r0["notes"],
         "wall_s": wall,
@@ -344,14 +350,39 @@ def goals(rows: list[dict]) -> list[dict]:
 
 
 def breakdown(r: dict, floor: dict | None) -> dict:
-    """Where a system's step goes, as far as measured: compute floor, exposed comm, copies, the rest."""
+    """Where a system's step goes, as far as measured.
+
+    From the timed steps: the step and the compute floor (the single-process step). From the profiled
+    step (slower, the profiler's overhead): forward / backward / optimizer phases, communication
+    exposed (not overlapped with an operator on the training thread) and the time of the data-parallel
+    copies the profiler sees. ``rest`` = step - floor - exposed comm - copies: Python and dispatch
+    overhead, the optimizer's difference, waiting for the other rank, ..."""
     step = r["median_s"] * 1e3
     compute = floor["median_s"] * 1e3 if floor else None
     exposed = r["comm_ms"] - r["comm_hidden_ms"]
     copies = r["runtime_copy_ms"]
-    rest = step - (compute or 0) - exposed - copies if compute is not None else None
-    return {"step_ms": step, "compute_floor_ms": compute, "exposed_comm_ms_profiled": exposed,
-            "runtime_copy_ms_profiled": copies, "rest_ms": rest}
+    rest = step - compute - exposed - copies if compute is not None else None
+    return {"step_ms": step, "compute_floor_ms": compute, "exposed_comm_ms": exposed,
+            "runtime_copy_ms": copies, "rest_ms": rest, "profiled_step_ms": 1e3 * r["profiled_step_s"],
+            "profiled_phase_ms": r["phase_ms"]}
+
+
+def breakdown_table(bd: dict, rows: list[dict]) -> str:
+    head = ("system", "step ms", "floor ms", "exposed comm ms", "DP copies ms", "rest ms",
+            "profiled: fwd / bwd / optim ms", "comm ms (hidden)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {r["key"]: r for r in rows}
+    for k, b in bd.items():
+        r = by[k]
+        ph = b["profiled_phase_ms"]
+        rest = f"{b['rest_ms']:.0f}" if b["rest_ms"] is not None else "-"
+        floor = f"{b['compute_floor_ms']:.0f}" if b["compute_floor_ms"] is not None else "-"
+        hid = f"{100 * r['hidden_fraction']:.0f}%" if r["hidden_fraction"] is not None else "-"
+        lines.append(f"| {r['label']} | {b['step_ms']:.0f} | {floor} | {b['exposed_comm_ms']:.0f} "
+                     f"| {b['runtime_copy_ms']:.1f} | {rest} "
+                     f"| {ph['forward']:.0f} / {ph['backward']:.0f} / {ph['optimizer']:.0f} "
+                     f"| {r['comm_ms']:.0f} ({hid}) |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
@@ -374,6 +405,11 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     ax.barh(range(len(ok)), med, xerr=[lo, hi], color=colors, capsize=3)
     ax.set_yticks(range(len(ok)), labels, fontsize=7)
     ax.invert_yaxis()
+    ref = next((r for r in ok if r["key"] == "fsdp2"), None)
+    if ref:
+        ax.axvline(1e3 * ref["median_s"], color="k", ls="--", lw=0.8, label="FSDP2 eager")
+        ax.axvline(0.85e3 * ref["median_s"], color="g", ls=":", lw=0.8, label="0.85x FSDP2 (goal)")
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_xlabel("step time, ms (median, p10-p90)")
     ax = axes[1]
     ax.barh(range(len(ok)), [r["peak_tensor_bytes"] / 2**20 for r in ok], color=colors, label="tensor")
@@ -472,6 +508,8 @@ def main(argv=None) -> int:
         print(f"  {item['status']:4s}  {item['goal']}: measured {ms} (target {item.get('target')}) {item.get('detail', '')}")
     by = {r["key"]: r for r in rows if "error" not in r}
     bd = {k: breakdown(r, by.get("single")) for k, r in by.items() if k != "single"}
+    print()
+    print(breakdown_table(bd, rows))
     print(f"\ntotal {total:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
 
     stem = a.out or HERE / "results" / ("step_time" if a.model == "llama" and not a.quick else

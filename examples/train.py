@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import fsdp_pass  # registers the "vescale" torch.compile backend
+from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 
 # ----------------------------------------------------------------------------------------------------
 # Model: a llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU).
@@ -311,8 +312,15 @@ def parse_args(argv=None):
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay)")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 20)")
-    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="muon: Muon on hidden matrices + AdamW on the rest; shampoo, adamw8bit: fsdp_pass.optim")
     t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--muon-lr", type=float, default=0.02, help="--optimizer muon: peak lr of the Muon matrices "
+                   "(--lr is the AdamW part's)")
+    t.add_argument("--shampoo-dim", type=int, default=128,
+                   help="--optimizer shampoo: max_preconditioner_dim (rows and columns of one block)")
+    t.add_argument("--shampoo-every", type=int, default=10,
+                   help="--optimizer shampoo: precondition_frequency (steps between inverse-root refreshes)")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: off)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (0: only at the end)")
@@ -331,6 +339,8 @@ def parse_args(argv=None):
     o = p.add_argument_group("output")
     o.add_argument("--checkpoint-dir", default=None, help="rank 0 saves the full model state dict here at the end")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--log-json", default=None, metavar="PATH",
+                   help="rank 0 writes the RESULT json plus every step's loss ('losses') and the arguments here")
     args = p.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = max(1, args.heads // 2)
@@ -341,6 +351,33 @@ def parse_args(argv=None):
     if args.dim % args.heads or args.heads % args.kv_heads or (args.dim // args.heads) % 2:
         p.error("--dim must be a multiple of --heads with an even head size, and --heads of --kv-heads")
     return args
+
+
+OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo", "adamw8bit")
+
+
+def build_optimizers(model: nn.Module, args) -> list[torch.optim.Optimizer]:
+    """The optimizer(s) of ``--optimizer``; each gets the same lr schedule (a factor on its own peak lr)."""
+    wd = args.weight_decay
+    if args.optimizer == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
+    if args.optimizer == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=wd)]
+    if args.optimizer == "muon":
+        # Hidden 2-D weights to Muon (orthogonalized whole, in fp32: bf16 matmul is ~25x slower on CPUs);
+        # embeddings, output head and norms to AdamW. Named pairs let the optimizers name parameters.
+        matrices, rest = muon_param_groups(model, exclude=("tok_embeddings", "output"))
+        return [Muon(matrices, lr=args.muon_lr, weight_decay=wd, ns_dtype=torch.float32),
+                torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
+    if args.optimizer == "shampoo":
+        return [Shampoo(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd,
+                        max_preconditioner_dim=args.shampoo_dim, precondition_frequency=args.shampoo_every)]
+    return [AdamW8bit(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=wd)]
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return f"{type(opt).__name__} ({len(params)} tensors, {sum(p.numel() for p in params):,} elements)"
 
 
 def lr_at(step: int, args) -> float:
@@ -391,12 +428,12 @@ def main(argv=None) -> dict:
     model = Llama(cfg).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    # The optimizer may be built before or after compiling: sharding swaps the parameters in place.
-    if args.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, args))
+    # Build the optimizers BEFORE the model is sharded (the first call of the compiled model): Muon, Shampoo
+    # and AdamW8bit annotate the blocks their math needs whole (set_block), the planner keeps those blocks
+    # on one rank, and their steps need no communication. (AdamW and SGD work either way: sharding swaps
+    # the parameters in place.)
+    opts = build_optimizers(model, args)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: lr_at(step, args)) for o in opts]
 
     options = {"compiler": args.compiler, "reshard_after_forward": not args.no_reshard}
     if mesh is not None:
@@ -415,6 +452,7 @@ def main(argv=None) -> dict:
     log(f"data: {data_info['train_files']} train / {data_info['held_out_files']} held-out stdlib files "
         f"({data_info['train_bytes']:,} / {data_info['held_out_bytes']:,} bytes) from {data_info['root']}")
     log(f"batch: {args.global_batch} x {args.seq_len} tokens per step, {per_rank} sequences per rank")
+    log("optimizer: " + " + ".join(describe_optimizer(o) for o in opts))
 
     tokens_per_step = args.global_batch * args.seq_len
     step_times: list[float] = []
@@ -431,9 +469,10 @@ def main(argv=None) -> dict:
         loss = lm_loss(compiled(mine[:, :-1]), mine[:, 1:])
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip) if args.clip > 0 else None
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        for o, sched in zip(opts, scheds):
+            o.step()
+            sched.step()
+            o.zero_grad()
         # One small all-reduce per step: every rank's loss and memory (the .item() also syncs for timing).
         stats = gather_scalars([loss.item(), memory_bytes(d)], d)
         step_times.append(time.perf_counter() - t0)
@@ -488,6 +527,7 @@ def main(argv=None) -> dict:
         "parameters_per_rank": [int(x) for x in per_rank_params[:, 0].tolist()],
         "shard_elements_per_rank": shard_elems,
         "buckets": len(explanation.buffers),
+        "optimizer": args.optimizer,
     }
 
     if args.checkpoint_dir:
@@ -516,6 +556,9 @@ def main(argv=None) -> dict:
         line = "-" * (width + 3 + max(len(v) for _, v in rows))
         print("\n".join(["", "summary", line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line]), flush=True)
         print("RESULT " + json.dumps(result), flush=True)
+        if args.log_json:
+            with open(args.log_json, "w") as f:
+                json.dump({**result, "losses": losses, "step_times_s": step_times, "args": vars(args)}, f)
     if d.on:
         dist.barrier()
         dist.destroy_process_group()
