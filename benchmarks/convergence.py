@@ -95,7 +95,7 @@ def plot(runs: dict[str, dict[int, dict]], summary: dict, world: int, out: Path,
         bottom.set_xlabel("step")
         if col == 0:
             top.set_ylabel("train loss (nats/byte)")
-            bottom.set_ylabel("|sharded − 1 proc|")
+            bottom.set_ylabel("|sharded − 1 proc|\n(0 drawn at 1e-9)", fontsize=8)
             top.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -117,15 +117,21 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
 
         from torch.profiler import record_function
 
+        phases: list[tuple[float, float, float]] = []
+
         def step(i: int) -> None:
             tokens = batch(cfg, bs, rank, i)
+            t0 = time.perf_counter()
             with record_function(M.PHASES[0]):
                 loss = lm_loss(model(tokens), tokens)
+            t1 = time.perf_counter()
             with record_function(M.PHASES[1]):
                 loss.backward()
+            t2 = time.perf_counter()
             with record_function(M.PHASES[2]):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             losses.append(loss.item())
 
         t0 = time.perf_counter()
@@ -141,11 +147,13 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
         barrier()
         M.reset_peak_rss()
         times = []
+        del phases[:]
         for i in range(args["steps"]):
             t0 = time.perf_counter()
             step(args["warmup"] + i)
             times.append(time.perf_counter() - t0)
         peak_rss = M.peak_rss_bytes() - rss0
+        timed_phases = list(phases)
 
         # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
         # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
@@ -196,6 +204,7 @@ def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
             "compile_s": compile_s,
             "warmup_s": warm_times,
             "times_s": times,
+            "phases_s": timed_phases,
             "profiled_step_s": profiled_s,
             "losses": losses,
             "peak_rss_bytes": peak_rss,
@@ -257,6 +266,8 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
     times = [max(r["times_s"][i] for r in ranks) for i in range(len(ranks[0]["times_s"]))]
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
     r0 = ranks[0]
+    phase_ms = {name: 1e3 * statistics.median(max(r["phases_s"][i][j] for r in ranks) for i in range(len(times)))
+                for j, name in enumerate(("forward", "backward", "optimizer"))}
     copy_bytes = max(r["runtime_copy_bytes"] + r["graph_copies"]["bytes"] for r in ranks)
     comm = max(r["comm_ms"] for r in ranks)
     hidden = min(r["comm_hidden_ms"] for r in ranks)
@@ -288,7 +299,8 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
         "comm_hidden_ms": hidden,
         "hidden_fraction": (hidden / comm) if comm > 0 else None,
         "compute_ms": max(r["compute_ms"] for r in ranks),
-        "phase_ms": {k: max(r["phase_ms"][k] for r in ranks) for k in r0["phase_ms"]},
+        "phase_ms": phase_ms,  # timed steps: median over steps of the slowest rank
+        "profiled_phase_ms": {k: max(r["phase_ms"][k] for r in ranks) for k in r0["phase_ms"]},
         "losses_rank0": r0["losses"],
         "notes": r0["notes"],
         "wall_s": wall,
@@ -364,24 +376,24 @@ def breakdown(r: dict, floor: dict | None) -> dict:
     rest = step - compute - exposed - copies if compute is not None else None
     return {"step_ms": step, "compute_floor_ms": compute, "exposed_comm_ms": exposed,
             "runtime_copy_ms": copies, "rest_ms": rest, "profiled_step_ms": 1e3 * r["profiled_step_s"],
-            "profiled_phase_ms": r["phase_ms"]}
+            "phase_ms": r["phase_ms"], "profiled_phase_ms": r["profiled_phase_ms"]}
 
 
 def breakdown_table(bd: dict, rows: list[dict]) -> str:
     head = ("system", "step ms", "floor ms", "exposed comm ms", "DP copies ms", "rest ms",
-            "profiled: fwd / bwd / optim ms", "comm ms (hidden)")
+            "fwd / bwd / optim ms", "comm ms (hidden)", "comm-internal copies MiB")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {r["key"]: r for r in rows}
     for k, b in bd.items():
         r = by[k]
-        ph = b["profiled_phase_ms"]
+        ph = b["phase_ms"]
         rest = f"{b['rest_ms']:.0f}" if b["rest_ms"] is not None else "-"
         floor = f"{b['compute_floor_ms']:.0f}" if b["compute_floor_ms"] is not None else "-"
         hid = f"{100 * r['hidden_fraction']:.0f}%" if r["hidden_fraction"] is not None else "-"
         lines.append(f"| {r['label']} | {b['step_ms']:.0f} | {floor} | {b['exposed_comm_ms']:.0f} "
                      f"| {b['runtime_copy_ms']:.1f} | {rest} "
                      f"| {ph['forward']:.0f} / {ph['backward']:.0f} / {ph['optimizer']:.0f} "
-                     f"| {r['comm_ms']:.0f} ({hid}) |")
+                     f"| {r['comm_ms']:.0f} ({hid}) | {_mib(r['comm_internal_copy_bytes'])} |")
     return "\n".join(lines)
 
 
@@ -507,7 +519,7 @@ def main(argv=None) -> int:
         ms = f"{m:.3f}" if isinstance(m, float) else str(m)
         print(f"  {item['status']:4s}  {item['goal']}: measured {ms} (target {item.get('target')}) {item.get('detail', '')}")
     by = {r["key"]: r for r in rows if "error" not in r}
-    bd = {k: breakdown(r, by.get("single")) for k, r in by.items() if k != "single"}
+    bd = {k: breakdown(r, by.get("single")) for k, r in by.items()}
     print()
     print(breakdown_table(bd, rows))
     print(f"\ntotal {total:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
@@ -525,6 +537,18 @@ def main(argv=None) -> int:
     }
     with open(stem.with_suffix(".json"), "w") as f:
         json.dump({"meta": meta, "systems": rows, "goals": g, "breakdown": bd}, f, indent=1, default=str)
+    md = [f"Run {meta['date']}: model `{a.model}` ({rows[0].get('params', 0) / 1e6:.2f}M parameters), world size "
+          f"{a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up + {steps} measured "
+          f"steps, torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) {load_before[0]:.2f} before "
+          f"and {load_after[0]:.2f} after; {total:.0f} s in all.", "", table(rows), "", breakdown_table(bd, rows), "",
+          "| goal (fsdp_pass inductor, overlap on) | measured | target | status |", "|---|---|---|---|"]
+    for item in g:
+        m = item.get("measured")
+        ms = f"{m:.3f}" if isinstance(m, float) else (f"{m / 2**20:.2f} MiB" if isinstance(m, int) else "-")
+        md.append(f"| {item['goal']} | {ms} | {item.get('target', '-')} | {item['status']} {item.get('detail', '')} |")
+    if skipped:
+        md += ["", *[f"Skipped {k}: {v}" for k, v in skipped.items()]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     title = (f"{a.model}, {rows[0].get('params', 0) / 1e6:.1f}M params, world {a.world_size}, per-rank batch "
              f"{batch_size}x{cfg.seq}, 1 pinned core/rank, load {load_before[0]:.1f}")
     if plot(rows, stem.with_suffix(".png"), title):

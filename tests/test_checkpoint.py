@@ -42,11 +42,13 @@ def _train(model, opt, rank: int, world: int, steps: range) -> list[float]:
     return losses
 
 
-def _new(seed: int):
+def _new(seed: int, mesh_shape=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = init_std(Llama(LlamaConfig()), seed)
-    fsdp_pass.fully_shard(model)
+    fsdp_pass.fully_shard(model, init_device_mesh("cpu", mesh_shape) if mesh_shape else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
     return model, opt, compiled
@@ -63,8 +65,8 @@ def _save_worker(rank: int, world: int, path: str) -> None:
         torch.save({"params": full, "losses": continued}, os.path.join(path, "reference.pt"))
 
 
-def _load_worker(rank: int, world: int, path: str, saved_world: int) -> None:
-    model, opt, compiled = _new(1)  # different initial values: everything must come from the checkpoint
+def _load_worker(rank: int, world: int, path: str, saved_world: int, mesh_shape=None) -> None:
+    model, opt, compiled = _new(1, mesh_shape)  # other initial values: everything must come from the checkpoint
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
@@ -87,6 +89,7 @@ def checkpoint_at_two_ranks(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("load_world", [2, 4, 1])
-def test_save_at_two_ranks_load_elsewhere_and_continue(checkpoint_at_two_ranks, load_world):
-    run_distributed(_load_worker, load_world, checkpoint_at_two_ranks, 2)
+@pytest.mark.parametrize("load_world, mesh_shape", [(2, None), (4, None), (1, None), (4, (2, 2))],
+                         ids=["2 ranks", "4 ranks", "1 rank", "2x2 HSDP"])
+def test_save_at_two_ranks_load_elsewhere_and_continue(checkpoint_at_two_ranks, load_world, mesh_shape):
+    run_distributed(_load_worker, load_world, checkpoint_at_two_ranks, 2, mesh_shape)

@@ -95,3 +95,46 @@ def test_two_ranks_and_one_process_train_the_same_model(tmp_path):
     assert single["parameters_per_rank"] == [single["parameters"]]
     for key in ("first_loss", "final_train_loss", "eval_loss"):
         assert single[key] == pytest.approx(result[key], rel=1e-4), key
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "adamw8bit", "adamw", "sgd"])
+def test_build_optimizers_annotate_blocks_before_sharding(optimizer):
+    """Every --optimizer builds; the structure-aware ones annotate the blocks the planner must keep whole."""
+    from fsdp_pass.runtime.annotations import annotated_block
+
+    train = _load_example()
+    args = train.parse_args([*SMALL, "--optimizer", optimizer])
+    model = train.Llama(train.ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                                          ffn=args.ffn, seq=args.seq_len))
+    opts = train.build_optimizers(model, args)
+    covered = [p for o in opts for g in o.param_groups for p in g["params"]]
+    assert sorted(map(id, covered)) == sorted(id(p) for p in model.parameters()), "every parameter optimized once"
+    blocks = {name: annotated_block(p) for name, p in model.named_parameters()}
+    if optimizer == "muon":
+        assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"]
+        muon = {id(p) for g in opts[0].param_groups for p in g["params"]}
+        for name, p in model.named_parameters():
+            assert (id(p) in muon) == (p.ndim == 2 and name not in ("tok_embeddings.weight", "output.weight")), name
+            assert blocks[name] == (p.numel() if id(p) in muon else 1), name
+    elif optimizer == "adamw8bit":
+        assert all(blocks[n] == (256 if p.numel() >= 4096 else 1) for n, p in model.named_parameters()), blocks
+    elif optimizer == "shampoo":
+        assert blocks["layers.0.attn.wq.weight"] == 64 * 64  # 64 rows <= --shampoo-dim 128: the whole matrix
+    else:
+        assert set(blocks.values()) == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_muon_two_ranks_match_one_process_step_by_step(tmp_path):
+    """--optimizer muon (built before sharding): no gather to a root, per-step losses equal one process's."""
+    args = [*SMALL, "--steps", "8", "--eval-every", "0", "--optimizer", "muon", "--no-progress"]
+    two = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE), *args,
+                "--log-json", str(tmp_path / "two.json")])
+    one = _run([str(EXAMPLE), *args, "--log-json", str(tmp_path / "one.json")])
+    assert "optimizer: Muon (" in two.stdout and "+ AdamW (" in two.stdout, two.stdout[-2000:]
+    assert "gathers" not in two.stderr, "Muon's matrices were cut: built after sharding?\n" + two.stderr[-3000:]
+    sharded, single = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+    assert sharded["optimizer"] == "muon" and len(sharded["losses"]) == len(single["losses"]) == 8
+    assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-5)
+    assert sharded["losses"][-1] < sharded["losses"][0] - 0.3, sharded["losses"]
