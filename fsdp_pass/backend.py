@@ -139,5 +139,4 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             b.sync_grad_state()
         return compiled(*shards, *(a for i, a in enumerate(args) if i not in dropped))
 
-    run._fsdp_pass_record = record  # type: ignore[attr-defined]
     return run
