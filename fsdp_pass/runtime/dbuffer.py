@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..placement import RaggedShard
 from ..planner import Layout
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor
@@ -53,6 +54,7 @@ class DBuffer:
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
         self.params: dict[str, nn.Parameter] = {}
+        self._placements: dict[str, RaggedShard] = {}
 
     # -- geometry ------------------------------------------------------------------------------
     @property
@@ -67,8 +69,11 @@ class DBuffer:
     def dtype(self) -> torch.dtype:
         return self.shard.dtype
 
-    def placement(self, name: str):
-        return self.layout.placement(name)
+    def placement(self, name: str) -> RaggedShard:
+        """``name``'s RaggedShard; cached, since gradients are re-wrapped every step."""
+        if name not in self._placements:
+            self._placements[name] = self.layout.placement(name)
+        return self._placements[name]
 
     def local_piece(self, name: str, source: torch.Tensor | None = None) -> torch.Tensor:
         """``name``'s piece as a 1-D view of ``source`` (default: the master shard)."""
