@@ -19,7 +19,8 @@ optimizer step does not depend on where gradients came from). Measured per optim
 
 * collectives issued by the step (count, and bytes: the inputs of the collectives summed over ranks,
   and the part of them that leaves the rank), counted with a ``TorchDispatchMode`` over
-  ``torch.ops._c10d_functional`` / ``c10d`` ops in one step that is not timed;
+  ``torch.ops._c10d_functional`` / ``c10d`` ops in one step that is not timed; next to it, the bytes
+  the same gathers would send if every root were the rank holding most of its tensor;
 * step time: median over ``--steps`` steps (after ``--warmup``) of barrier-to-barrier wall time of
   ``opt.step()`` (the slowest rank decides), each rank pinned to its own core (``os.sched_setaffinity``;
   with more ranks than cores, ranks share cores round-robin);
@@ -212,6 +213,9 @@ def measure(train, optimizer: str, layout: str, mesh, rank: int, world: int, war
         "collectives_per_step_all_ranks": int(sum(g[0] for g in gathered).item()),
         "collective_input_bytes_all_ranks": int(sum(g[1] for g in gathered).item()),
         "bytes_sent_all_ranks": int(sum(g[2] for g in gathered).item()),
+        # What the same gathers would send (fp32 both ways here) with every root on the rank holding most of it.
+        "bytes_sent_largest_holder_roots": sum(
+            2 * (p.numel() - max(p.placement.local_numel(r) for r in range(world))) * 4 for p in cut),
         "other_optimizer_collectives": {k: dict(v.calls) for k, v in counted.items() if k != type(structured).__name__},
         "step_time_median_s": statistics.median(times),
         "step_time_min_s": min(times),
@@ -301,8 +305,8 @@ def kib(b: float) -> str:
 
 
 def print_table(rows: list[dict]) -> str:
-    header = ("optimizer", "ranks", "layout", "cut/blocked", "collectives", "bytes sent", "step ms",
-              "× planned", "state/rank max:min", "bitwise")
+    header = ("optimizer", "ranks", "layout", "cut/blocked", "collectives", "bytes sent", "(largest-holder roots)",
+              "step ms", "× planned", "state/rank max:min", "bitwise")
     lines = []
     base = {}
     for r in rows:
@@ -314,6 +318,7 @@ def print_table(rows: list[dict]) -> str:
         lines.append((
             r["optimizer"], str(r["world"]), r["layout"], f"{r['cut_params']}/{r['block_params']}",
             str(r["collectives_per_step_all_ranks"]), kib(r["bytes_sent_all_ranks"]),
+            kib(r["bytes_sent_largest_holder_roots"]),
             f"{r['step_time_median_s'] * 1000:.1f}", f"{ratio:.2f}",
             f"{max(states) / 1024:,.0f}:{min(states) / 1024:,.0f} KiB",
             "yes" if r["params_equal_to_first_layout"] else f"no ({r['max_abs_param_diff_to_first_layout']:.1e})",
@@ -340,16 +345,18 @@ def main(argv=None) -> None:
         args.layouts = ["planned"] + [l for l in args.layouts if l != "planned"]
     cfg = {"optimizers": args.optimizers, "layouts": args.layouts, "warmup": args.warmup, "steps": args.steps}
     rows = []
+    load_before = os.getloadavg()
     start = time.monotonic()
     for world in args.worlds:
         rows += run_world(world, cfg, args.timeout)
     load = os.getloadavg()
     table = print_table(rows)
-    meta = {"cpus": len(os.sched_getaffinity(0)), "load_average_after": load, "wall_s": time.monotonic() - start,
+    meta = {"cpus": len(os.sched_getaffinity(0)), "load_average_before": load_before, "load_average_after": load, "wall_s": time.monotonic() - start,
             "torch": torch.__version__, **cfg}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": meta, "rows": rows, "table": table}, indent=1))
-    print(f"load average after: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {args.out}")
+    print(f"load average (1/5/15 min) before: {' '.join(f'{x:.1f}' for x in load_before)}, after: "
+          f"{' '.join(f'{x:.1f}' for x in load)}; wrote {args.out}")
 
 
 if __name__ == "__main__":
