@@ -199,8 +199,9 @@ class RaggedShardTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _pieces_are_fake(args, kwargs) and _mixes_with_plain_tensors(args, kwargs):
-            return _run_on_full_shape_stand_ins(func, args, kwargs)  # Dynamo tracing model code
+        # Dynamo tracing model code on sharded parameters (optimizer list ops never take this path)
+        if not _is_per_tensor_list_op(func) and _pieces_are_fake(args, kwargs) and _mixes_with_plain_tensors(args, kwargs):
+            return _run_on_full_shape_stand_ins(func, args, kwargs)
         special = _SPECIAL_HANDLERS.get(func)
         if special is not None:
             return special(func, args, kwargs)
@@ -308,6 +309,18 @@ def _run_on_full_shape_stand_ins(func, args, kwargs):
 
 
 def _unwrap(tree: Any) -> Any:
+    """``tree`` with every RaggedShardTensor replaced by its local piece.
+
+    Arguments shaped like the optimizer's (tensors, lists of tensors, scalars, one level of nesting)
+    are unwrapped directly: pytree's generic walk costs more than the elementwise kernels of a
+    small model's optimizer step.
+    """
+    if isinstance(tree, RaggedShardTensor):
+        return tree._local
+    if isinstance(tree, list):
+        return [_unwrap(x) if isinstance(x, (RaggedShardTensor, list)) else x for x in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_unwrap(x) if isinstance(x, (RaggedShardTensor, list, tuple, dict)) else x for x in tree)
     return tree_map_only(RaggedShardTensor, lambda t: t._local, tree)
 
 
