@@ -359,6 +359,15 @@ def _feeds_collective(n: fx.Node) -> bool:
     return False
 
 
+# Views that unflatten a gathered buffer into parameters. A copy reached from a gather only through
+# these is a copy-out; one behind a transpose/permute/expand is the model's own (e.g. ``matmul`` making
+# a transposed 3-D weight contiguous), which every system pays in its compute.
+UNFLATTEN = {_aten.view.default, _aten.view.dtype, _aten._unsafe_view.default, _aten.reshape.default,
+             _aten.split_with_sizes.default, _aten.split.Tensor, _aten.slice.Tensor, _aten.narrow.default,
+             _aten.as_strided.default, _aten.alias.default, _aten.squeeze.dim, _aten.squeeze.default,
+             _aten.unsqueeze.default, _aten.select.int}
+
+
 def _fed_by_collective(n: fx.Node) -> bool:
     stack, seen = list(_data_inputs(n)), set()
     while stack:
@@ -370,7 +379,7 @@ def _fed_by_collective(n: fx.Node) -> bool:
             if any(x.target in COLLECTIVES for x in _data_inputs(cur)):
                 return True
             stack.extend(_data_inputs(cur))
-        elif _passthrough(cur):
+        elif cur.target in UNFLATTEN or _is_copy_node(cur) or _is_getitem(cur):
             stack.extend(_data_inputs(cur))
     return False
 
@@ -391,8 +400,9 @@ def _from_extern(x: fx.Node) -> bool:
 def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
     """Copies on a collective's data path in one graph (runs once per step).
 
-    A copy-like node counts when its output reaches a collective's input, or its input comes from a
-    collective's wait, through views and other copies only. Under Inductor a ``cat`` costs only the
+    A copy-like node counts when its output reaches a collective's input through views and other
+    copies only, or its input comes from a collective's wait through unflattening views (no
+    transpose/permute/expand) and other copies only. Under Inductor a ``cat`` costs only the
     inputs that come from extern kernels (matmuls, attention) or graph inputs: pointwise producers
     write straight into the concatenated buffer."""
     total = 0

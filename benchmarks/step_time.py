@@ -307,6 +307,23 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
     }
 
 
+def merge_repeats(rows: list[dict]) -> dict:
+    """One row from ``--repeat`` runs of a system: step times pooled, everything else from the first run."""
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return rows[0]
+    merged = dict(ok[0])
+    if len(ok) > 1:
+        times = [t for r in ok for t in r["times_s"]]
+        q = statistics.quantiles(times, n=10, method="inclusive")
+        merged.update(times_s=times, median_s=statistics.median(times), p10_s=q[0], p90_s=q[-1],
+                      min_s=min(times), max_s=max(times), repeat_medians_s=[r["median_s"] for r in ok],
+                      wall_s=sum(r["wall_s"] for r in ok))
+        merged["phase_ms"] = {k: statistics.median(r["phase_ms"][k] for r in ok) for k in ok[0]["phase_ms"]}
+    merged["repeats"] = len(ok)
+    return merged
+
+
 # ----------------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------------
@@ -421,7 +438,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     if ref:
         ax.axvline(1e3 * ref["median_s"], color="k", ls="--", lw=0.8, label="FSDP2 eager")
         ax.axvline(0.85e3 * ref["median_s"], color="g", ls=":", lw=0.8, label="0.85x FSDP2 (goal)")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2, frameon=False)
     ax.set_xlabel("step time, ms (median, p10-p90)")
     ax = axes[1]
     ax.barh(range(len(ok)), [r["peak_tensor_bytes"] / 2**20 for r in ok], color=colors, label="tensor")
@@ -464,10 +481,21 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch (sequences)")
     ap.add_argument("--systems", default=None, help=f"comma-separated keys or globs of: {', '.join(SYSTEMS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and 3 steps: checks that everything runs")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the list of systems this many times, round robin, and pool the step times "
+                         "(spreads the effect of other load over all systems)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system before its ranks are killed")
     ap.add_argument("--dump-graphs", default=None, help="write the compiled FSDP systems' graphs here (rank 0)")
     ap.add_argument("--out", type=Path, default=None, help="result path stem (default benchmarks/results/step_time)")
+    ap.add_argument("--replot", type=Path, default=None, help="redraw the chart of a results JSON and exit")
     a = ap.parse_args(argv)
+    if a.replot:
+        data = json.loads(a.replot.read_text())
+        m = data["meta"]
+        title = (f"{m['model']}, {data['systems'][0].get('params', 0) / 1e6:.1f}M params, world {m['world_size']}, "
+                 f"per-rank batch {m['per_rank_batch']}x{m['seq']}, 1 pinned core/rank, load {m['loadavg_before'][0]:.1f}")
+        plot(data["systems"], a.replot.with_suffix(".png"), title)
+        return 0
     steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     batch_size = a.batch or (QUICK_BATCH if a.quick else PER_RANK_BATCH[a.model])
     args = {"model": a.model, "world_size": a.world_size, "steps": steps, "warmup": max(2, a.warmup),
@@ -494,19 +522,22 @@ def main(argv=None) -> int:
         print(f"fsdp_pass: this checkout does not know option(s) {dropped}: they are not passed "
               f"(the overlap on/off rows then run the same configuration)")
 
-    rows = []
+    runs: dict[str, list[dict]] = {k: [] for k in keys}
     t_all = time.time()
-    for key in keys:
-        t0 = time.time()
-        row = run_system(key, args, a.timeout)
-        rows.append(row)
-        if "error" in row:
-            print(f"  {key:32s} FAILED after {time.time() - t0:.0f} s: {row['error']}")
-            print("    " + row["traceback"].strip().replace("\n", "\n    ")[-3000:])
-        else:
-            print(f"  {key:32s} median {1e3 * row['median_s']:7.1f} ms  (p10 {1e3 * row['p10_s']:.1f}, "
-                  f"p90 {1e3 * row['p90_s']:.1f})  compile {row['compile_s']:.0f} s  wall {row['wall_s']:.0f} s  "
-                  f"loss {row['losses_rank0'][0]:.4f} -> {row['losses_rank0'][-1]:.4f}")
+    for rep in range(a.repeat):
+        for key in keys:
+            t0 = time.time()
+            row = run_system(key, args, a.timeout)
+            runs[key].append(row)
+            tag = f"{key}{f' #{rep + 1}' if a.repeat > 1 else ''}"
+            if "error" in row:
+                print(f"  {tag:32s} FAILED after {time.time() - t0:.0f} s: {row['error']}")
+                print("    " + row["traceback"].strip().replace("\n", "\n    ")[-3000:])
+            else:
+                print(f"  {tag:32s} median {1e3 * row['median_s']:7.1f} ms  (p10 {1e3 * row['p10_s']:.1f}, "
+                      f"p90 {1e3 * row['p90_s']:.1f})  compile {row['compile_s']:.0f} s  wall {row['wall_s']:.0f} s  "
+                      f"load {os.getloadavg()[0]:.2f}  loss {row['losses_rank0'][0]:.4f} -> {row['losses_rank0'][-1]:.4f}")
+    rows = [merge_repeats(runs[k]) for k in keys]
     load_after = os.getloadavg()
     total = time.time() - t_all
 
@@ -532,14 +563,14 @@ def main(argv=None) -> int:
         "seq": cfg.seq, "warmup": args["warmup"], "steps": steps, "cpus": os.cpu_count(),
         "loadavg_before": load_before, "loadavg_after": load_after, "total_s": total,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "skipped": skipped, "fsdp_pass_options_not_supported": dropped,
+        "skipped": skipped, "repeat": a.repeat, "fsdp_pass_options_not_supported": dropped,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     with open(stem.with_suffix(".json"), "w") as f:
         json.dump({"meta": meta, "systems": rows, "goals": g, "breakdown": bd}, f, indent=1, default=str)
     md = [f"Run {meta['date']}: model `{a.model}` ({rows[0].get('params', 0) / 1e6:.2f}M parameters), world size "
           f"{a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up + {steps} measured "
-          f"steps, torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) {load_before[0]:.2f} before "
+          f"steps{' x %d rounds' % a.repeat if a.repeat > 1 else ''}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) {load_before[0]:.2f} before "
           f"and {load_after[0]:.2f} after; {total:.0f} s in all.", "", table(rows), "", breakdown_table(bd, rows), "",
           "| goal (fsdp_pass inductor, overlap on) | measured | target | status |", "|---|---|---|---|"]
     for item in g:
