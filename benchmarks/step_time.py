@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from _bench_models import CONFIGS, QUICK_CONFIGS, build, batch, lm_loss  # noqa: E402
-from _systems import SYSTEMS, System, simplefsdp_import_error  # noqa: E402
+from _systems import SYSTEMS, simplefsdp_import_error  # noqa: E402
 
 PER_RANK_BATCH = {"llama": 4, "moe": 4}
 QUICK_BATCH = 2
