@@ -60,7 +60,7 @@ METHODS = ("plan", "plan_buckets", "naive_concat", "fsdp2_shard0", "rowwise_conc
 TIMING_WORLD_SIZE = 1024
 TIMING_REPEATS = 3
 
-# Targets from the issue: (granularity, largest FSDP size, max padding fraction) with plan_buckets.
+# Padding targets: (granularity, largest FSDP size, max padding fraction) with plan_buckets.
 TARGETS = ((1, 1024, 0.01), (16, 1024, 0.01), (128, 512, 0.05))
 TARGET_PLANNING_MS = 50.0
 
@@ -161,7 +161,7 @@ def run(models: list[str], world_sizes: list[int], granularities=GRANULARITIES) 
 
 
 def check_targets(results: dict) -> list[dict]:
-    """PASS/MISS per (model, granularity, scope) for the issue's targets."""
+    """PASS/MISS per (model, granularity, scope) for the padding targets."""
     out = []
     for model, entry in results["models"].items():
         for k, max_m, limit in TARGETS:

@@ -60,7 +60,7 @@ PER_RANK_BATCH = {"llama": 4, "moe": 4}
 QUICK_BATCH = 2
 SIMPLEFSDP_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro"
 
-# Issue 5 goals (fsdp_pass with inductor, overlap on).
+# Project goals (fsdp_pass with inductor, overlap on).
 GOALS = {
     "step_vs_fsdp2": 0.85,
     "step_vs_simplefsdp": 0.95,
