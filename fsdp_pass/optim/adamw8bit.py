@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..placement import RaggedShard
 from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
-from .blockwise import BlockJob, annotate_block, flat_piece, gradient_layout, run_on_whole_blocks, warn_gathered
+from .blockwise import BlockJob, BlockwiseOptimizer, annotate_block, flat_piece, gradient_layout
 from .dynamic_code import block_count, dequantize_blockwise, dynamic_code, quantize_blockwise
 
 __all__ = ["AdamW8bit"]
@@ -36,7 +36,7 @@ __all__ = ["AdamW8bit"]
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed code)
 
 
-class AdamW8bit(torch.optim.Optimizer):
+class AdamW8bit(BlockwiseOptimizer):
     """AdamW whose moments are 8-bit block-quantized (fp32 for parameters under ``min_8bit_size`` elements).
 
     Args:
@@ -45,6 +45,8 @@ class AdamW8bit(torch.optim.Optimizer):
         block_size: elements per quantization block (one absmax each).
         min_8bit_size: parameters with fewer elements (globally) keep float32 moments.
     """
+
+    blocks_needed = "8-bit quantization blocks"
 
     def __init__(
         self,
@@ -71,35 +73,19 @@ class AdamW8bit(torch.optim.Optimizer):
                     annotate_block(p, elements=block_size)
         self._warned: set[int] = set()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step for every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        jobs, groups = [], {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                # fp32 moments are elementwise: any layout works (block of one element).
-                block = group["block_size"] if _is_8bit(p, group) else 1
-                jobs.append(BlockJob(p, flat_piece(p.grad), gradient_layout(p), block, float(p.numel())))
-                groups[p] = group
-        direction = lambda p, piece, layout: self._direction(p, piece, layout, groups[p])  # noqa: E731
-        outputs, gathered = run_on_whole_blocks(jobs, direction)
-        warn_gathered(self, gathered, "8-bit quantization blocks", self._warned)
-        for job, update in zip(jobs, outputs):
-            group, step = groups[job.param], self.state[job.param]["step"]
-            piece = flat_piece(job.param)
-            piece.mul_(1 - group["lr"] * group["weight_decay"])
-            piece.add_(update, alpha=-group["lr"] / (1 - group["betas"][0] ** step))
-        return loss
+    def _job(self, p: Tensor, group: dict) -> BlockJob:
+        state = self.state[p]
+        state["step"] = state.get("step", 0) + 1
+        # fp32 moments are elementwise: any layout works (block of one element).
+        block = group["block_size"] if _is_8bit(p, group) else 1
+        return BlockJob(p, flat_piece(p.grad), gradient_layout(p), block, float(p.numel()))
 
-    def _direction(self, p: Tensor, grad: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
+    def _apply(self, p: Tensor, update: Tensor, group: dict) -> None:
+        piece = flat_piece(p)
+        piece.mul_(1 - group["lr"] * group["weight_decay"])
+        piece.add_(update, alpha=-group["lr"] / (1 - group["betas"][0] ** self.state[p]["step"]))
+
+    def _block_math(self, p: Tensor, grad: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
         """Update the moments of the elements in ``grad`` and return ``m / (sqrt(v / bc2) + eps)``."""
         state, (beta1, beta2) = self.state[p], group["betas"]
         quantized = _is_8bit(p, group)

@@ -30,6 +30,7 @@ from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
 
 __all__ = [
     "BlockJob",
+    "BlockwiseOptimizer",
     "annotate_block",
     "flat_piece",
     "gradient_layout",
@@ -196,3 +197,43 @@ def _describe(optimizer: torch.optim.Optimizer, param: Tensor) -> str:
                 where = repr(names[i]) if names else f"param_groups[{g}]['params'][{i}]"
                 return f"{where} (shape {tuple(p.shape)})"
     return f"a parameter of shape {tuple(param.shape)}"
+
+
+class BlockwiseOptimizer(torch.optim.Optimizer):
+    """The step every block-structured optimizer here shares.
+
+    For each parameter with a gradient a subclass describes one :class:`BlockJob` (``_job``), runs its
+    block math (``_block_math``) on whole blocks — locally, or gathered to a root when the layout cuts
+    them — and applies the result (``_apply``). ``blocks_needed`` names the blocks in the warning.
+    """
+
+    blocks_needed = "whole blocks"
+
+    def _job(self, p: Tensor, group: dict) -> BlockJob:
+        raise NotImplementedError
+
+    def _block_math(self, p: Tensor, piece: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
+        raise NotImplementedError
+
+    def _apply(self, p: Tensor, result: Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        jobs, groups = [], {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    jobs.append(self._job(p, group))
+                    groups[p] = group
+        compute = lambda p, piece, layout: self._block_math(p, piece, layout, groups[p])  # noqa: E731
+        outputs, gathered = run_on_whole_blocks(jobs, compute)
+        warn_gathered(self, gathered, self.blocks_needed, self._warned)
+        for job, result in zip(jobs, outputs):
+            self._apply(job.param, result, groups[job.param])
+        return loss

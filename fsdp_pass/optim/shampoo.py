@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.ragged_tensor import RaggedSpec
-from .blockwise import BlockJob, annotate_block, flat_piece, gradient_layout, run_on_whole_blocks, warn_gathered
+from .blockwise import BlockJob, BlockwiseOptimizer, annotate_block, flat_piece, gradient_layout
 
 __all__ = ["Shampoo", "matrix_shape", "panel_rows"]
 
@@ -54,7 +54,7 @@ def inverse_fourth_root(factor: Tensor, eps: float) -> Tensor:
     return ((eigenvectors * scale) @ eigenvectors.T).to(factor.dtype)
 
 
-class Shampoo(torch.optim.Optimizer):
+class Shampoo(BlockwiseOptimizer):
     """Blocked Shampoo with Adam grafting and decoupled weight decay, for plain or RaggedShard parameters.
 
     Args:
@@ -66,6 +66,8 @@ class Shampoo(torch.optim.Optimizer):
         max_preconditioner_dim: most rows (and columns) of one preconditioner block.
         precondition_frequency: steps between recomputing the inverse roots (from the first step).
     """
+
+    blocks_needed = "Shampoo's row panels"
 
     def __init__(
         self,
@@ -93,38 +95,23 @@ class Shampoo(torch.optim.Optimizer):
                 annotate_block(p, rows=panel_rows(p.shape, max_preconditioner_dim))
         self._warned: set[int] = set()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One Shampoo step for every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        jobs, groups = [], {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                rows = panel_rows(p.shape, group["max_preconditioner_dim"])
-                panel = rows * matrix_shape(p.shape)[1]
-                jobs.append(BlockJob(p, flat_piece(p.grad), gradient_layout(p), panel, float(p.numel() * rows)))
-                groups[p] = group
-        precondition = lambda p, piece, layout: self._direction(p, piece, layout, groups[p])  # noqa: E731
-        outputs, gathered = run_on_whole_blocks(jobs, precondition)
-        warn_gathered(self, gathered, "Shampoo's row panels", self._warned)
-        for job, direction in zip(jobs, outputs):
-            group, state = groups[job.param], self.state[job.param]
-            if "momentum" not in state:
-                state["momentum"] = torch.zeros_like(job.param.grad)
-            momentum, piece = flat_piece(state["momentum"]), flat_piece(job.param)
-            momentum.lerp_(direction, 1 - group["betas"][0])
-            piece.mul_(1 - group["lr"] * group["weight_decay"])
-            piece.add_(momentum, alpha=-group["lr"])
-        return loss
+    def _job(self, p: Tensor, group: dict) -> BlockJob:
+        state = self.state[p]
+        state["step"] = state.get("step", 0) + 1
+        rows = panel_rows(p.shape, group["max_preconditioner_dim"])
+        panel = rows * matrix_shape(p.shape)[1]
+        return BlockJob(p, flat_piece(p.grad), gradient_layout(p), panel, float(p.numel() * rows))
 
-    def _direction(self, p: Tensor, piece: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
+    def _apply(self, p: Tensor, direction: Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(p.grad)
+        momentum, piece = flat_piece(state["momentum"]), flat_piece(p)
+        momentum.lerp_(direction, 1 - group["betas"][0])
+        piece.mul_(1 - group["lr"] * group["weight_decay"])
+        piece.add_(momentum, alpha=-group["lr"])
+
+    def _block_math(self, p: Tensor, piece: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
         """The grafted Shampoo direction of the whole panels in ``piece`` (their state lives on this rank)."""
         state = self.state[p]
         step, (_, beta2), eps = state["step"], group["betas"], group["eps"]
