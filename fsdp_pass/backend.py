@@ -29,7 +29,7 @@ from .passes.schedule import schedule_overlap, tag_reshard_after_forward
 from .passes.shard import assign_buckets
 from .runtime.agreement import check_ranks_agree
 from .runtime.dbuffer import DBuffer
-from .runtime.mesh import resolve_mesh
+from .runtime.mesh import model_mesh_dims, resolve_mesh
 from .runtime.sharding import ShardingConfig
 
 __all__ = ["CompiledGraph", "vescale"]
@@ -110,7 +110,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         _records.append(record)
         return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
 
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim)
+    named = [(s.name, s.param) for s in sites]
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
     check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
     blocks = block_sizes(sites, opts.block_sizes)
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)

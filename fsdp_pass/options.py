@@ -16,7 +16,13 @@ class Options:
 
     Attributes:
         mesh: a 1-D DeviceMesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP); default: all ranks.
-        shard_dim: which dim of a 2-D mesh shards (default: the last).
+            With tensor- or expert-parallel DTensor parameters: the whole named mesh, e.g.
+            ``("dp", "tp")``, whose TP/EP dims the parameters' meshes are sliced from.
+        shard_dim: which dim of a 2-D mesh shards (default: the last); on a named mesh a dim name or a
+            tuple of names (data-parallel dims: the batch is split over them; list an expert-parallel
+            dim here too, experts are then sharded over the other ones).
+        replicate_dim: the HSDP dim of a named mesh (default: none; on a 2-D mesh without TP/EP
+            parameters, the dim that is not ``shard_dim``).
         compiler: ``"inductor"`` (default) or ``"aot_eager"`` (debugging) after the passes.
         reshard_after_forward: free gathered parameters after forward and gather again in backward
             (default True, ZeRO-3 memory); False keeps them (less communication, more memory).
@@ -36,7 +42,8 @@ class Options:
     """
 
     mesh: Any = None
-    shard_dim: int | None = None
+    shard_dim: int | str | tuple[str, ...] | None = None
+    replicate_dim: int | str | None = None
     compiler: str = "inductor"
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
@@ -48,7 +55,7 @@ class Options:
     prefetch: int = 1
     max_inflight_bytes: int | None = None
 
-    _NAMES = ("mesh", "shard_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
+    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes")
 
     @classmethod

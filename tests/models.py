@@ -34,6 +34,7 @@ class LlamaConfig:
     seq: int = 8
     experts: int = 0  # > 0: mixture-of-experts feed-forward
     top_k: int = 2
+    stacked_experts: bool = False  # experts as 3-D weights (StackedMoE, expert parallel) instead of modules
     tie_embeddings: bool = True
 
 
@@ -64,11 +65,12 @@ class Attention(nn.Module):
 
     def forward(self, x, freqs):
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank has heads / tp of them.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = rope(q, freqs), rope(k, freqs)
-        rep = self.heads // self.kv_heads
+        rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -107,7 +109,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim)
-        self.ffn = MoE(cfg) if cfg.experts else SwiGLU(cfg.dim, cfg.ffn)
+        if cfg.experts:
+            self.ffn = StackedMoE(cfg) if cfg.stacked_experts else MoE(cfg)
+        else:
+            self.ffn = SwiGLU(cfg.dim, cfg.ffn)
 
     def forward(self, x, freqs):
         x = x + self.attn(self.attn_norm(x), freqs)
@@ -148,3 +153,43 @@ def init_std(model: nn.Module, seed: int = 0) -> nn.Module:
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
     return model
+
+
+class StackedMoE(nn.Module):
+    """Top-k routed experts with stacked weights ``(experts, out, in)``, computed densely.
+
+    Under expert parallelism the weights are DTensors split ``Shard(0)`` over an EP mesh: each EP
+    rank gathers the tokens of its EP group, applies its own experts, and the partial outputs are
+    reduce-scattered back to the tokens' ranks.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(cfg.experts, cfg.ffn, cfg.dim) / math.sqrt(cfg.dim))
+        self.w3 = nn.Parameter(torch.randn(cfg.experts, cfg.ffn, cfg.dim) / math.sqrt(cfg.dim))
+        self.w2 = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.ffn) / math.sqrt(cfg.ffn))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        scores = self.router(x).softmax(-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        gate = torch.zeros_like(scores).scatter(-1, chosen, weights)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        first = 0
+        if isinstance(w1, DTensor):  # expert parallel: this rank's experts on the EP group's tokens
+            mesh = w1.device_mesh
+            gather = lambda t: DTensor.from_local(t, mesh, [Shard(0)]).redistribute(  # noqa: E731
+                mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            x, gate = gather(x), gather(gate)
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+            first = mesh.get_local_rank() * w1.shape[0]
+        out = sum(
+            gate[..., first + e : first + e + 1] * F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+            for e in range(w1.shape[0])
+        )
+        if isinstance(self.w1, DTensor):
+            out = DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()
+        return out

@@ -73,6 +73,19 @@ class AdamW8bit(BlockwiseOptimizer):
                     annotate_block(p, elements=block_size)
         self._warned: set[int] = set()
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, keeping the 8-bit codes ``uint8``.
+
+        The base class casts every loaded state tensor to its parameter's dtype, which would turn
+        the codes into float32 (same values, four times the memory, saved as float32 next time).
+        Codes are integers in ``[0, 255]``, so casting them back is exact.
+        """
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for name, _ in MOMENTS:
+                if name + "_absmax" in state and state[name].dtype != torch.uint8:
+                    state[name] = state[name].to(torch.uint8)
+
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         state = self.state[p]
         state["step"] = state.get("step", 0) + 1

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..runtime.dbuffer import DBuffer, gather_bucket
 from .detect import ParamSite
@@ -44,6 +46,16 @@ def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
         if old_node.op == "placeholder":
             new_node._dynamo_source = getattr(old_node, "_dynamo_source", None)
     return new
+
+
+def _as_dtensor(spec: DTensorSpec):
+    """A graph-callable that rebuilds a parameter's DTensor (spec held in a closure: FX can name a function, not a mesh)."""
+
+    def as_dtensor(local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+
+    return as_dtensor
 
 
 def rewrite_parameters(
@@ -86,6 +98,9 @@ def rewrite_parameters(
                 _, name = buckets[site.name]
                 piece = graph.call_function(operator.getitem, (pieces, index_of[name]))
                 view = graph.call_function(torch.ops.aten.view.default, (piece, list(buf.shapes[name])))
+                spec = buf.dtensor_specs.get(name)
+                if spec is not None:
+                    view = graph.call_function(_as_dtensor(spec), (view,))
                 placeholders[site.index].replace_all_uses_with(view)
     for site in sites:
         graph.erase_node(placeholders[site.index])

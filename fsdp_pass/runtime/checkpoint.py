@@ -20,14 +20,24 @@ __all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard"]
 
 
 def _boxes(tensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """``(offsets, sizes, start in the local piece)`` of every box of this rank's piece."""
-    shape = tuple(tensor.shape)
-    start, end = tensor._spec.local_range
+    """``(offsets, sizes, start in the local piece)`` of every box of this rank's piece, in global coordinates.
+
+    Inside a tensor/expert-parallel DTensor the boxes are found in its local block and shifted by
+    the block's offset, so a checkpoint holds the logical tensor whatever the parallelism.
+    """
+    spec = tensor._spec
+    shape = tuple(spec.shape)
+    start, end = spec.local_range
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    shift = spec.global_offset or (0,) * len(shape)
     return [
-        (offsets, sizes, sum(o * s for o, s in zip(offsets, strides)) - start)
+        (tuple(o + s for o, s in zip(offsets, shift)), sizes, sum(o * s for o, s in zip(offsets, strides)) - start)
         for offsets, sizes in flat_range_boxes(shape, start, end)
     ]
+
+
+def _global_shape(tensor) -> torch.Size:
+    return tensor._spec.global_shape or tensor.shape
 
 
 def create_write_items(fqn: str, tensor) -> list[WriteItem]:
@@ -39,7 +49,7 @@ def create_write_items(fqn: str, tensor) -> list[WriteItem]:
             tensor_data=TensorWriteData(
                 chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
                 properties=properties,
-                size=tensor.shape,
+                size=_global_shape(tensor),
             ),
         )
         for offsets, sizes, _ in _boxes(tensor)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..placement import RaggedShard
 from ..planner import Layout
@@ -30,10 +33,12 @@ class DBuffer:
 
     Args:
         layout: the planner's layout of the bucket (names are parameter FQNs).
-        shapes: global shape of every parameter, by name.
+        shapes: global shape of every parameter, by name (for tensor/expert-parallel DTensor
+            parameters, the shape of their local tensor: that is what the bucket shards).
         mesh: the ranks the bucket is sharded over (HSDP: sharded over one dim, replicated over the other).
         dtype, device: of the master shard (one DBuffer per dtype).
         requires_grad: whether the shard collects gradients (False for frozen parameters).
+        dtensor_specs: for DTensor parameters, their DTensor spec (mesh, placements, global shape).
     """
 
     def __init__(
@@ -45,8 +50,10 @@ class DBuffer:
         device: torch.device,
         requires_grad: bool = True,
         index: int = 0,
+        dtensor_specs: dict[str, DTensorSpec] | None = None,
     ) -> None:
         self.layout = layout
+        self.dtensor_specs = dict(dtensor_specs or {})
         self.shapes = {n: torch.Size(shapes[n]) for n in layout.names}
         self.mesh = mesh
         self.index = index
@@ -102,10 +109,22 @@ class DBuffer:
 
     def ragged(self, name: str, local: torch.Tensor, requires_grad: bool = False) -> RaggedShardTensor:
         """Wrap a 1-D local piece of parameter ``name`` as a RaggedShardTensor."""
+        spec = self.dtensor_specs.get(name)
+        global_shape = global_offset = None
+        if spec is not None:
+            global_shape = spec.shape
+            _, global_offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
         return RaggedShardTensor.from_local(
             local, self.mesh.mesh, self.placement(name), self.shapes[name],
             mesh_dim=self.mesh.shard_dim, requires_grad=requires_grad,
+            global_shape=global_shape, global_offset=global_offset,
         )
+
+    def wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A 1-D piece as the parameter sees it: RaggedShard, inside the parameter's DTensor if it has one."""
+        ragged = self.ragged(name, local)
+        spec = self.dtensor_specs.get(name)
+        return ragged if spec is None else DTensor(ragged, spec, requires_grad=False)
 
     def attach_grads(self) -> None:
         """Point every trainable parameter's ``.grad`` at its view of the gradient shard."""
@@ -115,8 +134,9 @@ class DBuffer:
         for name, p in self.params.items():
             if p.requires_grad:
                 existing = p.grad
-                if existing is None or existing._local.data_ptr() != self.local_piece(name, grad).data_ptr():
-                    p.grad = self.ragged(name, self.local_piece(name, grad))
+                piece = self.local_piece(name, grad)
+                if existing is None or _piece_of(existing).data_ptr() != piece.data_ptr():
+                    p.grad = self.wrap(name, piece)
 
     def sync_grad_state(self) -> None:
         """Drop the gradient shard when the user cleared every parameter's ``.grad`` (``zero_grad``)."""
@@ -145,7 +165,7 @@ class DBuffer:
         shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
-        return (param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group)
+        return (param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group, m.divisor)
 
     def __repr__(self) -> str:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
@@ -156,7 +176,7 @@ class _GatherBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, config: tuple) -> torch.Tensor:
-        param_dtype, reduce_dtype, shard_world, shard_group, rep_world, rep_group = config
+        param_dtype, reduce_dtype, shard_world, shard_group, rep_world, rep_group, _ = config
         ctx.config, ctx.master_dtype = config, shard.dtype
         x = shard.to(param_dtype)
         if shard_world == 1:
@@ -165,15 +185,20 @@ class _GatherBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        _, reduce_dtype, shard_world, shard_group, rep_world, rep_group = ctx.config
+        _, reduce_dtype, shard_world, shard_group, rep_world, rep_group, divisor = ctx.config
         g = grad.to(reduce_dtype)
         if shard_world > 1:
             g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", shard_world, shard_group))
         if rep_world > 1:
             g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", rep_group))
         # Average over data-parallel ranks, like DDP and FSDP2.
-        g = g / (shard_world * rep_world)
+        g = g / divisor
         return g.to(ctx.master_dtype), None
+
+
+def _piece_of(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D piece inside a RaggedShard tensor (or a DTensor wrapping one)."""
+    return (t._local_tensor if isinstance(t, DTensor) else t)._local
 
 
 def gather_bucket(shard: torch.Tensor, config: tuple) -> torch.Tensor:

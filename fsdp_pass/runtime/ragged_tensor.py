@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -53,9 +54,15 @@ class RaggedSpec:
     placement: RaggedShard
     mesh: DeviceMesh | None
     mesh_dim: int = 0
+    # Inside a tensor/expert-parallel DTensor: ``shape`` is the DTensor's local shape, and this
+    # tensor's local block starts at ``global_offset`` of the DTensor's ``global_shape`` (None: not inside one).
+    global_shape: torch.Size | None = None
+    global_offset: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
+        if self.global_shape is not None:
+            object.__setattr__(self, "global_shape", torch.Size(self.global_shape))
         if self.mesh is not None and not 0 <= self.mesh_dim < self.mesh.ndim:
             raise ValueError(f"mesh_dim {self.mesh_dim} is outside a {self.mesh.ndim}-dim mesh {self.mesh}")
         self.placement.validate(self.shape, self.world_size, name=f"tensor of shape {tuple(self.shape)}")
@@ -85,7 +92,9 @@ class RaggedSpec:
 
     def describe(self) -> str:
         where = "a single process" if self.mesh is None else f"mesh dim {self.mesh_dim} of {self.mesh}"
-        return f"shape {tuple(self.shape)}, {self.placement} over {where}"
+        inside = "" if self.global_shape is None else (
+            f" (the local block at offset {self.global_offset} of a DTensor of shape {tuple(self.global_shape)})")
+        return f"shape {tuple(self.shape)}{inside}, {self.placement} over {where}"
 
 
 class RaggedShardTensor(torch.Tensor):
@@ -126,12 +135,18 @@ class RaggedShardTensor(torch.Tensor):
         shape: Sequence[int],
         mesh_dim: int = 0,
         requires_grad: bool = False,
+        global_shape: Sequence[int] | None = None,
+        global_offset: Sequence[int] | None = None,
     ) -> "RaggedShardTensor":
         """Wrap this rank's contiguous 1-D piece (kept as is, typically a view into a buffer).
 
         Not differentiable: gradients are tracked on the wrapper, never through ``local``.
+        ``global_shape``/``global_offset``: when this is the local tensor of a tensor- or
+        expert-parallel DTensor, where its block lies in the DTensor (checkpoints save global boxes).
         """
-        spec = RaggedSpec(torch.Size(shape), placement, mesh, mesh_dim)
+        spec = RaggedSpec(torch.Size(shape), placement, mesh, mesh_dim,
+                          None if global_shape is None else torch.Size(global_shape),
+                          None if global_offset is None else tuple(global_offset))
         if local.dim() != 1 or local.numel() != spec.local_numel or not local.is_contiguous():
             raise ValueError(
                 f"from_local: rank {spec.rank} must pass a contiguous 1-D piece of {spec.local_numel} "
@@ -174,8 +189,9 @@ class RaggedShardTensor(torch.Tensor):
 
     # -- traceable wrapper subclass protocol -------------------------------------------------
     # -- distributed checkpoint (torch.distributed.checkpoint saves and loads local pieces) ------
-    def __create_write_items__(self, fqn: str, obj: "RaggedShardTensor"):
-        return checkpoint.create_write_items(fqn, obj)
+    def __create_write_items__(self, fqn: str, obj: torch.Tensor):
+        # obj is self, or the tensor-parallel DTensor whose local tensor this is.
+        return checkpoint.create_write_items(fqn, self)
 
     def __create_chunk_list__(self):
         return checkpoint.create_chunk_list(self)
@@ -202,6 +218,8 @@ class RaggedShardTensor(torch.Tensor):
         # Dynamo tracing model code on sharded parameters (optimizer list ops never take this path)
         if not _is_per_tensor_list_op(func) and _pieces_are_fake(args, kwargs) and _mixes_with_plain_tensors(args, kwargs):
             return _run_on_full_shape_stand_ins(func, args, kwargs)
+        if func.namespace == "_c10d_functional" and not _pieces_are_fake(args, kwargs):
+            return _collective_on_whole_tensors(func, args, kwargs)
         special = _SPECIAL_HANDLERS.get(func)
         if special is not None:
             return special(func, args, kwargs)
@@ -361,6 +379,8 @@ def _run_elementwise(func, args, kwargs):
 def _run_per_list_entry(func, args, kwargs):
     """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout."""
     bound = _bound_arguments(func, args, kwargs)
+    if _has_dtensor_entries(bound):
+        return _split_off_dtensor_entries(func, bound)
     lists, scalars = [], []
     for arg in func._schema.arguments:
         value = bound.get(arg.name)
@@ -377,6 +397,42 @@ def _run_per_list_entry(func, args, kwargs):
     return _with_outputs_wrapped(
         func, args, kwargs, out, lambda pieces: [_wrap_piece(func, p, s) for p, s in zip(pieces, specs)]
     )
+
+
+def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
+    return any(isinstance(v, (list, tuple)) and any(isinstance(t, DTensor) for t in v) for v in bound.values())
+
+
+def _split_off_dtensor_entries(func, bound: dict[str, Any]):
+    """A list op over RaggedShard parameters and tensor-parallel DTensor ones (whose local tensors are
+    RaggedShard): one call for each kind, since DTensor dispatch only takes DTensors.
+
+    ``clip_grad_norm_`` and optimizers group gradients by device and dtype only, so the kinds mix.
+    A 0-dim DTensor operand (a total norm) joins the non-DTensor call as its value.
+    """
+    lengths = {len(v) for v in bound.values() if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)}
+    entries = max(lengths)
+    is_dtensor = [any(isinstance(v[i], DTensor) for v in bound.values()
+                      if isinstance(v, (list, tuple)) and len(v) == entries) for i in range(entries)]
+    results: list[Any] = [None] * entries
+    returned = None
+    for kind in (True, False):
+        chosen = [i for i in range(entries) if is_dtensor[i] == kind]
+        if not chosen:
+            continue
+        call = {}
+        for name, value in bound.items():
+            if isinstance(value, (list, tuple)) and len(value) == entries:
+                value = [value[i] for i in chosen]
+            elif isinstance(value, DTensor) and not kind:
+                value = value.full_tensor()
+            call[name] = value
+        out = func(**call)
+        if isinstance(out, (list, tuple)) and len(out) == len(chosen):
+            returned = True
+            for i, o in zip(chosen, out):
+                results[i] = o
+    return results if returned else None
 
 
 def _wrap_piece(func, piece: Any, spec: RaggedSpec | None) -> Any:
@@ -553,6 +609,13 @@ def _reduction_identity(dtype: torch.dtype, op: str) -> float | int | bool:
         return -math.inf if op == "max" else math.inf
     info = torch.iinfo(dtype)
     return info.min if op == "max" else info.max
+
+
+def _collective_on_whole_tensors(func, args, kwargs):
+    """A collective over *another* mesh dim, e.g. a tensor-parallel DTensor's ``full_tensor()`` of its
+    RaggedShard local tensor: gather the whole local tensor over this tensor's own dim first."""
+    whole = lambda t: t.full_tensor()  # noqa: E731
+    return func(*tree_map_only(RaggedShardTensor, whole, args), **tree_map_only(RaggedShardTensor, whole, kwargs))
 
 
 def _dot(func, args, kwargs):

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ..planner import Layout, TensorSpec, plan_buckets
 from .dbuffer import DBuffer
-from .mesh import ShardingMesh
+from .mesh import ParallelMesh, ShardingMesh
 from .ragged_tensor import RaggedShardTensor
 from .swap import check_swappable, swap_in_place
 
@@ -54,7 +56,26 @@ def default_min_bucket_bytes(device_type: str) -> int:
 
 
 def is_sharded(p: torch.Tensor) -> bool:
-    return isinstance(p, RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+    return isinstance(_local_of(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+
+
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    """What FSDP shards: a tensor/expert-parallel DTensor's local tensor, else the parameter itself."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _block_for_placements(p: torch.Tensor, block: int) -> int:
+    """Under ``Shard(d)`` with ``d > 0`` a rank boundary must not cut dims ``d:`` of the local tensor.
+
+    Then every rank's piece is whole rows of the local block: a rectangle of the global tensor.
+    """
+    if not isinstance(p, DTensor):
+        return block
+    local = p._local_tensor
+    for placement in p.placements:
+        if isinstance(placement, Shard) and placement.dim > 0:
+            block = math.lcm(block, math.prod(local.shape[placement.dim:]))
+    return block
 
 
 def bucket_of(p: torch.Tensor) -> tuple[DBuffer, str]:
@@ -88,6 +109,7 @@ def check_one_device(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
 def _check_parameter(name: str, p: torch.Tensor) -> None:
     if is_sharded(p):
         return
+    p = _local_of(p)
     if isinstance(p, RaggedShardTensor):
         raise ValueError(f"parameter {name!r} is a RaggedShardTensor that no DBuffer owns; pass plain parameters")
     if not p.is_contiguous():
@@ -105,14 +127,16 @@ def _check_parameter(name: str, p: torch.Tensor) -> None:
 
 def shard_parameters(
     named_params: Iterable[tuple[str, nn.Parameter]],
-    mesh: ShardingMesh,
+    mesh: ShardingMesh | ParallelMesh,
     config: ShardingConfig = ShardingConfig(),
     block_sizes: Mapping[str, int] | None = None,
 ) -> list[DBuffer]:
     """Plan buckets for the parameters (in the given order) and swap each into a RaggedShard parameter.
 
     Parameters already sharded are skipped (their DBuffer is kept). A parameter object listed twice
-    (tied weights) is sharded once. Returns the new DBuffers.
+    (tied weights) is sharded once. Returns the new DBuffers. A tensor/expert-parallel DTensor
+    parameter stays a DTensor; its local tensor becomes a RaggedShard tensor over the mesh dims
+    its placements do not use (``mesh.for_parameter``).
     """
     block_sizes = dict(block_sizes or {})
     seen: set[int] = set()
@@ -125,10 +149,10 @@ def shard_parameters(
         todo.append((name, p))
     check_one_device(todo)
 
-    # Units in first-use order; within a unit, one group per (dtype, trainable).
+    # Units in first-use order; within a unit, one group per (dtype, trainable, sharding mesh).
     units: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, p in todo:
-        units.setdefault((unit_key(name), p.dtype, p.requires_grad), []).append((name, p))
+        units.setdefault((unit_key(name), p.dtype, p.requires_grad, mesh.for_parameter(name, p)), []).append((name, p))
     min_bytes = config.min_bucket_bytes
     if min_bytes is None:
         min_bytes = default_min_bucket_bytes(mesh.device_type)
@@ -136,35 +160,39 @@ def shard_parameters(
 
     # Plan every bucket and check every parameter before the first swap: an error must leave the
     # module untouched, never half sharded.
-    plans: list[tuple[Layout, torch.dtype, bool, dict[str, nn.Parameter]]] = []
-    for (_, dtype, trainable), members in groups:
+    plans: list[tuple[Layout, torch.dtype, bool, ShardingMesh, dict[str, nn.Parameter]]] = []
+    for (_, dtype, trainable, bucket_mesh), members in groups:
         itemsize = min(dtype.itemsize, (config.param_dtype or dtype).itemsize)
         align = max(1, config.align_bytes // itemsize)
         specs = []
         for name, p in members:
+            local = _local_of(p)
             block = block_sizes.get(name, 1)
-            if p.numel() % block:
+            if local.numel() % block:
                 raise ValueError(
-                    f"parameter {name!r} of shape {tuple(p.shape)} ({p.numel()} elements) cannot be split into "
-                    f"blocks of {block} elements; choose a block size that divides it"
+                    f"parameter {name!r} of shape {tuple(local.shape)} ({local.numel()} elements) cannot be split "
+                    f"into blocks of {block} elements; choose a block size that divides it"
                 )
-            specs.append(TensorSpec(name, p.numel(), block, tuple(p.shape)))
+            block = _block_for_placements(p, block)
+            specs.append(TensorSpec(name, local.numel(), block, tuple(local.shape)))
         by_name = dict(members)
-        for layout in plan_buckets(specs, mesh.shard_size, align=align, max_bucket_numel=config.bucket_numel):
-            plans.append((layout, dtype, trainable, by_name))
+        for layout in plan_buckets(specs, bucket_mesh.shard_size, align=align, max_bucket_numel=config.bucket_numel):
+            plans.append((layout, dtype, trainable, bucket_mesh, by_name))
     for name, p in todo:
-        check_swappable(p, f"parameter {name!r}")
+        if not isinstance(p, DTensor):
+            check_swappable(p, f"parameter {name!r}")
 
     buffers: list[DBuffer] = []
-    for layout, dtype, trainable, by_name in plans:
-        shapes = {n: by_name[n].shape for n in layout.names}
+    for layout, dtype, trainable, bucket_mesh, by_name in plans:
+        shapes = {n: _local_of(by_name[n]).shape for n in layout.names}
+        specs = {n: by_name[n]._spec for n in layout.names if isinstance(by_name[n], DTensor)}
         device = by_name[layout.names[0]].device
         if device.type == "meta":  # only the local shard is allocated; initialize_meta_parameters fills it
             device = torch.device(mesh.device_type)
-        buf = DBuffer(layout, shapes, mesh, dtype, device, trainable, index=next(_bucket_ids))
+        buf = DBuffer(layout, shapes, bucket_mesh, dtype, device, trainable, index=next(_bucket_ids), dtensor_specs=specs)
         for name in layout.names:
             if not by_name[name].is_meta:
-                buf.load_full(name, by_name[name])
+                buf.load_full(name, _local_of(by_name[name]))
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
         if trainable:
@@ -177,7 +205,7 @@ def _merge_small_units(units: list, min_bytes: int, max_numel: int | None) -> li
     """Merge neighbouring units (same dtype and trainability) while either side is under ``min_bytes``."""
 
     def size(members) -> tuple[int, int]:
-        numel = sum(p.numel() for _, p in members)
+        numel = sum(_local_of(p).numel() for _, p in members)
         return numel, numel * members[0][1].element_size()
 
     merged: list = []
@@ -195,7 +223,11 @@ def _merge_small_units(units: list, min_bytes: int, max_numel: int | None) -> li
 
 
 def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
-    sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
-    swap_in_place(p, sharded)
+    if isinstance(p, DTensor):
+        # The DTensor (mesh, placements, global shape) stays; only its local tensor becomes a RaggedShard piece.
+        p._local_tensor = buf.ragged(name, buf.local_piece(name))
+    else:
+        sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
+        swap_in_place(p, sharded)
     setattr(p, _BUCKET_ATTR, (buf, name))
     buf.params[name] = p
