@@ -37,7 +37,12 @@ class Explanation:
             )
             for name in b.names:
                 lo, hi = b.layout.global_range(name)
-                lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {b.placement(name)}")
+                placement = str(b.placement(name))
+                spec = b.dtensor_specs.get(name)
+                if spec is not None:  # tensor/expert parallel first, then FSDP on the local tensor
+                    dims = ", ".join(f"{pl} over {d}" for pl, d in zip(spec.placements, spec.mesh.mesh_dim_names))
+                    placement = f"{dims} of {tuple(spec.shape)}, then {placement}"
+                lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {placement}")
         per_rank = self.bytes_per_rank()
         lines.append(f"per rank: parameters {per_rank['params']} B, gradients {per_rank['grads']} B")
         lines.append(

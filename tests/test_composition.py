@@ -1,0 +1,195 @@
+"""FSDP over tensor- and expert-parallel DTensor parameters: FSDP x TP, FSDP x EP, HSDP x EP on 4 gloo ranks.
+
+Each case trains the parallelized, sharded model and the plain model on one process side by side
+(same global batch) and checks losses, parameters (``full_tensor()``), ``clip_grad_norm_``, the
+memory each rank holds and the collectives of the compiled graphs against the composed layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_pass
+from dist_harness import run_distributed
+from fsdp_pass.runtime.sharding import is_sharded
+from models import Llama, LlamaConfig, init_std, lm_loss
+
+STEPS, GLOBAL_BATCH, SEQ = 6, 8, 8
+TOLERANCE = 1e-5  # relative; sums over TP/EP ranks add in another order than one process does
+_c10d = torch.ops._c10d_functional
+
+
+def tensor_parallel(model: Llama, mesh) -> None:
+    """Megatron-style TP on every block: column-parallel q/k/v and w1/w3, row-parallel wo and w2."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(), "ffn.w1": ColwiseParallel(), "ffn.w3": ColwiseParallel(),
+            "ffn.w2": RowwiseParallel()}
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], plan)
+
+
+def expert_parallel(model: Llama, mesh) -> None:
+    """Split every block's stacked experts ``Shard(0)`` over the EP dim."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for block in model.layers:
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(block.ffn, name)
+            setattr(block.ffn, name, nn.Parameter(distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)])))
+
+
+CASES = {
+    # name: (mesh shape, dim names, options, parallelize, model config, batch split over these dims)
+    "tp2_fsdp2": ((2, 2), ("dp", "tp"), {"shard_dim": "dp"}, tensor_parallel, LlamaConfig(), ("dp",)),
+    "ep2_fsdp2": ((2, 2), ("dp", "ep"), {"shard_dim": ("dp", "ep")}, expert_parallel,
+                  LlamaConfig(experts=4, stacked_experts=True), ("dp", "ep")),
+    "hsdp2_ep2": ((2, 1, 2), ("rep", "dp", "ep"), {"shard_dim": ("dp", "ep"), "replicate_dim": "rep"},
+                  expert_parallel, LlamaConfig(experts=4, stacked_experts=True), ("rep", "dp", "ep")),
+}
+
+
+def _local_piece(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p._local_tensor if isinstance(p, DTensor) else p)._local
+
+
+def _batch_rows(mesh, batch_dims: tuple[str, ...]) -> slice:
+    """This rank's rows of the global batch: split over ``batch_dims`` (row-major), same on the others."""
+    names = mesh.mesh_dim_names
+    index, count = 0, 1
+    for name in batch_dims:
+        size = mesh.size(names.index(name))
+        index, count = index * size + mesh.get_local_rank(name), count * size
+    per = GLOBAL_BATCH // count
+    return slice(index * per, (index + 1) * per)
+
+
+def _collectives(gm) -> list[tuple[str, str, int]]:
+    """``(op, group name, bytes moved into this rank's output)`` of every collective in a graph."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (
+            _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default
+        ):
+            continue
+        value = node.meta["val"]
+        found.append((node.target.__name__.split(".")[0], node.args[-1], value.numel() * value.dtype.itemsize))
+    return found
+
+
+def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names, options, parallelize, cfg, batch_dims = CASES[case]
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = init_std(Llama(cfg), 0)
+    reference = copy.deepcopy(model)
+    parallelize(model, mesh)
+    if "ep" in names:
+        # Expert parallelism sums each token's expert outputs in another order than one process
+        # (per EP rank, then across), and AdamW's first steps turn a near-zero gradient's last-bit
+        # difference into a whole lr-sized step (1.4e-4 relative on a router at lr 1e-2). SGD
+        # shows the sharding's own error; TP runs AdamW.
+        make_opt = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)  # noqa: E731
+    else:
+        make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    compiled = torch.compile(model, backend="vescale", dynamic=False,
+                             options={"mesh": mesh, "compiler": compiler, **options})
+    rows = _batch_rows(mesh, batch_dims)
+    data_parallel = math.prod(mesh.size(names.index(n)) for n in batch_dims)
+    worst_loss = worst_norm = 0.0
+    for step in range(STEPS):
+        tokens = torch.randint(0, cfg.vocab, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        loss = lm_loss(compiled(tokens[rows]), tokens[rows])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # below the norm: it clips
+        opt.step()
+        opt.zero_grad()
+        ref_loss = lm_loss(reference(tokens), tokens)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # ranks outside the batch dims hold copies: average over all
+        worst_loss = max(worst_loss, abs(total.item() / world - ref_loss.item()) / ref_loss.item())
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()) / ref_norm.item())
+    assert worst_loss <= TOLERANCE, f"{case}: loss rel diff {worst_loss:.3g}"
+    assert worst_norm <= TOLERANCE, f"{case}: gradient norm rel diff {worst_norm:.3g}"
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref_params = dict(reference.named_parameters())
+    model_parallel = 0
+    for name, p in model.named_parameters():
+        assert is_sharded(p), f"{name} was not sharded"
+        full = p.full_tensor()
+        diff = ((full - ref_params[name]).norm() / ref_params[name].norm()).item()
+        assert diff <= TOLERANCE, f"{case}: {name} rel diff {diff:.3g}"
+        if isinstance(p, DTensor):  # TP/EP first, then FSDP: the DTensor keeps its placement
+            model_parallel += 1
+            assert all(isinstance(pl, Shard) for pl in p.placements)
+            assert tuple(_local_piece(p).shape) == (p._local_tensor.placement.local_numel(
+                p._local_tensor._spec.rank),)
+    assert model_parallel > 0
+
+    # Each rank holds 1/world of the parameters, plus padding.
+    buffers = fsdp_pass.explain(compiled, print_output=False).buffers
+    total = sum(p.numel() for p in reference.parameters())
+    held = sum(b.layout.shard_size for b in buffers)
+    padding = sum(b.layout.padding / b.mesh.shard_size for b in buffers)
+    assert held == sum(_local_piece(p).numel() for p in model.parameters()) + padding
+    copies = mesh.size(names.index("rep")) if "rep" in names else 1  # HSDP replicas
+    counted = torch.tensor([float(held - padding)], dtype=torch.float64)
+    dist.all_reduce(counted)
+    assert counted.item() == pytest.approx(total * copies), "the pieces do not add up to the model"
+    share = total * copies / world
+    assert share <= held <= share * 1.05 + 64, f"rank {rank} holds {held} of {total} elements"
+
+    # Communication per step is what the composed layout predicts.
+    record = next(r for r in fsdp_pass.backend.records() if r.buffers)
+    forward, backward = _collectives(record.modules["forward"]), _collectives(record.modules["backward"])
+    fsdp = {b.config(b.dtype, b.dtype)[3]: b for b in buffers}
+    gathers = [(g, n) for op, g, n in forward if op == "all_gather_into_tensor" and g in fsdp]
+    expected = sorted((b.config(b.dtype, b.dtype)[3], b.layout.shard_size * b.mesh.shard_size * 4)
+                      for b in buffers if b.mesh.shard_size > 1)
+    assert sorted(gathers) == expected
+    scatters = [(g, n) for op, g, n in backward if op == "reduce_scatter_tensor" and g in fsdp]
+    assert sorted(scatters) == sorted((g, b.layout.shard_size * 4) for g, b in (
+        (b.config(b.dtype, b.dtype)[3], b) for b in buffers if b.mesh.shard_size > 1))
+    model_ops = sorted((op, n) for op, g, n in forward if g not in fsdp)
+    local_batch = GLOBAL_BATCH // data_parallel
+    activation = local_batch * SEQ * cfg.dim * 4
+    if "tp" in names:  # row-parallel wo and w2 all-reduce their outputs
+        assert model_ops == [("all_reduce", activation)] * (2 * cfg.layers)
+    else:  # each MoE layer gathers tokens and gates over EP and reduce-scatters the outputs
+        ep = mesh.size(names.index("ep"))
+        expected_ops = [("all_gather_into_tensor", activation * ep),
+                        ("all_gather_into_tensor", local_batch * SEQ * cfg.experts * 4 * ep),
+                        ("reduce_scatter_tensor", activation)] * cfg.layers
+        assert model_ops == sorted(expected_ops)
+    text = fsdp_pass.explain(compiled, print_output=False).plan_text()
+    assert "Shard(" in text and "RaggedShard(" in text
+
+
+@pytest.mark.parametrize("case,compiler", [
+    ("tp2_fsdp2", "aot_eager"), ("tp2_fsdp2", "inductor"),
+    ("ep2_fsdp2", "aot_eager"), ("ep2_fsdp2", "inductor"),
+    ("hsdp2_ep2", "aot_eager"),
+])
+def test_composed_training_matches_one_process(case, compiler):
+    run_distributed(_composed_worker, 4, case, compiler, timeout=600, pg_timeout=120)
