@@ -78,12 +78,14 @@ def _collectives(gm) -> list[tuple[str, str, int]]:
     """``(op, group name, bytes moved into this rank's output)`` of every collective in a graph."""
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (
-            _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default
-        ):
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
+            continue
+        op = target.__name__.split(".")[0].rstrip("_")  # all_reduce_ (in place) counts as all_reduce
+        if op == "wait_tensor":
             continue
         value = node.meta["val"]
-        found.append((node.target.__name__.split(".")[0], node.args[-1], value.numel() * value.dtype.itemsize))
+        found.append((op, node.args[-1], value.numel() * value.dtype.itemsize))
     return found
 
 
