@@ -195,3 +195,77 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
 ])
 def test_composed_training_matches_one_process(case, compiler):
     run_distributed(_composed_worker, 4, case, compiler, timeout=600, pg_timeout=120)
+
+
+def _tp_model_and_optimizer(mesh):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()), 0)
+    if mesh is not None and "tp" in mesh.mesh_dim_names:
+        tensor_parallel(model, mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW state as a whole tensor, by FQN (a collective on sharded models)."""
+    whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()  # noqa: E731
+    names = {p: n for n, p in model.named_parameters()}
+    out = {n: whole(p) for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{names[p]}.{key}"] = whole(state[key])
+    return out
+
+
+def _save_tp_worker(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, opt = _tp_model_and_optimizer(mesh)
+    compiled = torch.compile(model, backend="vescale", dynamic=False,
+                             options={"mesh": mesh, "shard_dim": "dp", "compiler": "aot_eager"})
+    rows = _batch_rows(mesh, ("dp",))
+    for step in range(2):
+        tokens = torch.randint(0, 61, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        lm_loss(compiled(tokens[rows]), tokens[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    full = _full_state(model, opt)
+    if rank == 0:
+        torch.save(full, f"{path}/full.pt")
+
+
+def _load_worker(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = _tp_model_and_optimizer(None)
+    if world > 1:
+        fsdp_pass.fully_shard(model, init_device_mesh("cpu", (world,)))
+    # A step on zero gradients creates the AdamW states the checkpoint fills in.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    saved = torch.load(f"{path}/full.pt")
+    loaded = _full_state(model, opt)
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), f"{name} differs after loading at {world} rank(s)"
+
+
+def test_checkpoint_saved_at_tp2_fsdp2_loads_at_fsdp4_and_one_rank(tmp_path):
+    path = str(tmp_path / "tp2_fsdp2")
+    run_distributed(_save_tp_worker, 4, path, timeout=600, pg_timeout=120)
+    run_distributed(_load_worker, 4, path, timeout=600, pg_timeout=120)
+    run_distributed(_load_worker, 1, path, timeout=600, pg_timeout=120)
