@@ -269,3 +269,43 @@ def test_checkpoint_saved_at_tp2_fsdp2_loads_at_fsdp4_and_one_rank(tmp_path):
     run_distributed(_save_tp_worker, 4, path, timeout=600, pg_timeout=120)
     run_distributed(_load_worker, 4, path, timeout=600, pg_timeout=120)
     run_distributed(_load_worker, 1, path, timeout=600, pg_timeout=120)
+
+
+def _muon_worker(rank: int, world: int) -> None:
+    """Muon on tensor-parallel, sharded matrices: each whole matrix is gathered over FSDP and TP ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_pass.optim import Muon, muon_param_groups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()), 0)
+    reference = copy.deepcopy(model)
+    tensor_parallel(model, mesh)
+
+    def optimizers(m):
+        matrices, rest = muon_param_groups(m, exclude=("tok_embeddings", "output"))
+        return (Muon(matrices, lr=0.02, ns_dtype=torch.float32),
+                torch.optim.AdamW([p for _, p in rest], lr=1e-2))
+
+    opts, ref_opts = optimizers(model), optimizers(reference)
+    assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in opts[0].param_groups[0]["params"])
+    compiled = torch.compile(model, backend="vescale", dynamic=False,
+                             options={"mesh": mesh, "shard_dim": "dp", "compiler": "aot_eager"})
+    rows = _batch_rows(mesh, ("dp",))
+    for step in range(3):
+        tokens = torch.randint(0, 61, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        lm_loss(compiled(tokens[rows]), tokens[rows]).backward()
+        lm_loss(reference(tokens), tokens).backward()
+        for opt in (*opts, *ref_opts):
+            opt.step()
+            opt.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        diff = ((p.full_tensor() - ref_params[name]).norm() / ref_params[name].norm()).item()
+        assert diff <= TOLERANCE, f"{name} rel diff {diff:.3g} after Muon steps"
+
+
+def test_muon_on_tensor_parallel_sharded_matrices():
+    run_distributed(_muon_worker, 4, timeout=600, pg_timeout=120)

@@ -10,6 +10,8 @@ rank holds one contiguous flat range of each parameter, so:
 * otherwise the input is redistributed to one *root* rank (one uneven all-to-all), the root runs
   the math on the whole tensor, and the result is redistributed back (a second all-to-all). Roots
   are chosen to balance the estimated compute over the ranks.
+* a tensor/expert-parallel parameter (a DTensor whose local tensor is RaggedShard) is gathered
+  whole (``full_tensor``: FSDP, then TP/EP ranks) and every rank runs the math and keeps its piece.
 
 Either way the math sees exactly the blocks a single process would see, so results match a
 single-process run bitwise. Plain (unsharded) tensors are the single-process case.
@@ -23,6 +25,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..runtime.annotations import set_block
 from ..placement import RaggedShard
@@ -44,13 +48,20 @@ __all__ = [
 BlockCompute = Callable[[Tensor, Tensor, "RaggedSpec | None"], Tensor]
 
 
+def _ragged_part(t: Tensor) -> Tensor:
+    """A tensor/expert-parallel DTensor's RaggedShard local tensor; other tensors as they are."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def flat_piece(t: Tensor) -> Tensor:
     """This rank's flat piece of ``t``: the local piece of a RaggedShardTensor, or ``t`` flattened (a view)."""
+    t = _ragged_part(t)
     return t._local if isinstance(t, RaggedShardTensor) else t.detach().view(-1)
 
 
 def layout_of(t: Tensor) -> RaggedSpec | None:
     """The RaggedShard layout of ``t``; ``None`` for a plain tensor (one process holds it whole)."""
+    t = _ragged_part(t)
     return t._spec if isinstance(t, RaggedShardTensor) else None
 
 
@@ -69,9 +80,11 @@ def gradient_layout(param: Tensor) -> RaggedSpec | None:
 def annotate_block(param: Tensor, *, rows: int | None = None, elements: int | None = None) -> None:
     """``set_block`` on a parameter that is not sharded yet, so a later shard keeps the block whole.
 
-    An already sharded parameter keeps its layout (blocks cut by it are handled by gathering).
+    An already sharded parameter keeps its layout (blocks cut by it are handled by gathering), and
+    so does a tensor/expert-parallel one: its blocks are counted in the global tensor, which its
+    DTensor placement already cuts.
     """
-    if param.numel() and not isinstance(param, RaggedShardTensor):
+    if param.numel() and not isinstance(param, (RaggedShardTensor, DTensor)):
         set_block(param, rows=rows, elements=elements)
 
 
@@ -106,7 +119,12 @@ class BlockJob:
 
     @property
     def is_local(self) -> bool:
-        return respects_blocks(self.layout, self.block)
+        return not self.is_composed and respects_blocks(self.layout, self.block)
+
+    @property
+    def is_composed(self) -> bool:
+        """A tensor/expert-parallel parameter: its blocks are counted in the DTensor's global tensor."""
+        return isinstance(self.param, DTensor)
 
 
 def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tuple[list[Tensor], list[BlockJob]]:
@@ -121,6 +139,8 @@ def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tupl
     for i, job in enumerate(jobs):
         if job.is_local:
             outputs[i] = compute(job.param, job.piece, job.layout)
+        elif job.is_composed:
+            outputs[i] = _on_whole_global_tensor(job, compute)
     roots = _balanced_roots(jobs)
     gathered = []
     for i, root in roots.items():
@@ -133,6 +153,19 @@ def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tupl
         outputs[i] = _wrap(result, layout, on_root).redistribute(layout.placement)._local
         gathered.append(job)
     return outputs, gathered
+
+
+def _on_whole_global_tensor(job: BlockJob, compute: BlockCompute) -> Tensor:
+    """A TP/EP parameter's math on the whole global tensor: gathered over FSDP and TP/EP ranks
+    (``full_tensor``), computed on every rank (no second collective to scatter), sliced back."""
+    spec, layout = job.param._spec, job.layout
+    ragged = RaggedShardTensor.from_local(job.piece, layout.mesh, layout.placement, layout.shape, layout.mesh_dim)
+    whole = DTensor(ragged, spec, requires_grad=False).full_tensor()
+    result = compute(job.param, whole.reshape(-1), None).view(spec.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    block = result[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+    start, end = layout.local_range
+    return block.reshape(-1)[start:end]
 
 
 def _wrap(piece: Tensor, layout: RaggedSpec, placement: RaggedShard) -> RaggedShardTensor:
@@ -149,7 +182,7 @@ def _balanced_roots(jobs: Sequence[BlockJob]) -> dict[int, int]:
     """
     by_group: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
-        if job.layout is not None:
+        if job.layout is not None and not job.is_composed:
             by_group.setdefault((job.layout.mesh, job.layout.mesh_dim), []).append(i)
     roots: dict[int, int] = {}
     for indices in by_group.values():
