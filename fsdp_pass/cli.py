@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 from typing import Iterator, Sequence
 
@@ -77,6 +78,7 @@ class BucketStats:
     world_size: int  # m: ranks the bucket is sharded over
     itemsize: int
     trainable: bool
+    split: int = 1  # tensor/expert parallel ranks that each hold a different part of these tensors
 
     @property
     def copies(self) -> int:
@@ -120,10 +122,12 @@ class PlanSummary:
     buckets: tuple[BucketStats, ...]
     least_padding_on_a_rank: int  # fewest padding elements one rank holds in trainable buckets
     seconds: float
+    tp: int = 1  # tensor parallel ranks, next to mesh_shape
+    ep: int = 1  # expert parallel ranks, part of the shard ranks
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.mesh_shape)
+        return math.prod(self.mesh_shape) * self.tp
 
     @property
     def shard_size(self) -> int:
@@ -135,7 +139,7 @@ class PlanSummary:
 
     @property
     def params(self) -> int:
-        return sum(b.copies * b.numel for b in self.buckets)
+        return sum(b.copies * b.numel * b.split for b in self.buckets)
 
     @property
     def padding(self) -> int:
@@ -155,13 +159,15 @@ class PlanSummary:
 
     def comm_bytes_per_rank(self) -> dict[str, int]:
         """Bytes each rank sends per training step (it receives as many)."""
-        m, r = self.shard_size, self.replicate_size
-        gather = sum(b.copies * (m - 1) * b.shard_size for b in self.buckets) * self.param_dtype.itemsize
-        grad_shards = sum(b.copies * b.shard_size for b in self.buckets if b.trainable) * self.reduce_dtype.itemsize
+        r = self.replicate_size
+        gather = sum(b.copies * (b.world_size - 1) * b.shard_size for b in self.buckets) * self.param_dtype.itemsize
+        trainable = [b for b in self.buckets if b.trainable]
+        grad_shards = sum(b.copies * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
+        scatter = sum(b.copies * (b.world_size - 1) * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
         out = {
             "all_gather_forward": gather,
             "all_gather_backward": gather if self.reshard_after_forward else 0,
-            "reduce_scatter": (m - 1) * grad_shards,
+            "reduce_scatter": scatter,
             "all_reduce_replicas": 2 * (r - 1) * grad_shards // r,
         }
         out["total"] = sum(out.values())
@@ -174,6 +180,8 @@ class PlanSummary:
             "mesh_shape": list(self.mesh_shape),
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
+            "tp": self.tp,
+            "ep": self.ep,
             "param_dtype": str(self.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(self.reduce_dtype).removeprefix("torch."),
             "optimizer": self.optimizer,
@@ -204,6 +212,10 @@ class PlanSummary:
     def to_text(self) -> str:
         m, r = self.shard_size, self.replicate_size
         mesh = f"{m} shards" if r == 1 else f"{r} replicas x {m} shards (HSDP)"
+        if self.ep > 1:
+            mesh += f", experts split over {self.ep} of them (EP)"
+        if self.tp > 1:
+            mesh += f" x {self.tp} tensor parallel"
         lines = [
             f"{self.model} on {self.world_size:,} ranks ({mesh}); {self.settings()}",
             f"parameters   {self.params:,} ({self.params / 1e9:.2f}B)",
@@ -296,15 +308,23 @@ def plan_model(
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
     reshard_after_forward: bool = True,
+    tp: int = 1,
+    ep: int = 1,
 ) -> PlanSummary:
     """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
     ``model`` itself is left untouched; it must not need a process group of its own. A 2-D
     ``mesh_shape`` is ``(replicate, shard)`` (HSDP). ``block_rows``: see :func:`block_elements`.
+    ``tp``: tensor parallel ranks next to ``mesh_shape`` (Megatron column/row split of attention and
+    MLP projections by name); ``ep``: expert parallel ranks taken from the shard ranks (stacked
+    experts split on their first dim). Each parameter is then sharded over the ranks its split
+    leaves (:class:`~fsdp_pass.runtime.mesh.ParallelMesh`).
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
         raise ValueError(f"mesh shape {mesh_shape} must be 1-D (FSDP) or 2-D (replicate, shard) of positive sizes")
+    if tp < 1 or ep < 1 or mesh_shape[-1] % ep:
+        raise ValueError(f"--ep {ep} must divide the shard ranks {mesh_shape[-1]}, and --tp {tp} must be >= 1")
     named = list(model.named_parameters())
     blocks = {n: block_elements(tuple(p.shape), block_rows) for n, p in named}
     units = _repeated_units(named, blocks)
@@ -312,20 +332,69 @@ def plan_model(
     distinct = [(n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
                 for _, members in units for n, p in members]
     units_of_param = {n: tuple(names) for names, members in units for n, _ in members}
-    with fake_process_group(math.prod(mesh_shape)):
+    with fake_process_group(math.prod(mesh_shape) * tp):
         # fully_shard's sharding step without its initialization of meta parameters (planning needs no values).
-        mesh = resolve_mesh(init_device_mesh("cpu", mesh_shape), argument="the planning mesh")
+        if tp == 1 and ep == 1:
+            mesh = resolve_mesh(init_device_mesh("cpu", mesh_shape), argument="the planning mesh")
+        else:
+            mesh, distinct = _composed_mesh_and_parameters(mesh_shape, tp, ep, distinct)
+            blocks.update({n: block_elements(tuple(p._local_tensor.shape), block_rows)
+                           for n, p in distinct if hasattr(p, "_local_tensor")})
         buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks)
         stats = [
             BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
-                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad)
+                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad, _split(buf))
             for buf in buffers
         ]
     trainable = [(buf, s.copies) for buf, s in zip(buffers, stats) if s.trainable]
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
                        bucket_size, reshard_after_forward, tuple(stats), least_padding,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, tp, ep)
+
+
+# Megatron tensor parallelism by parameter name: column-parallel (split outputs, dim 0) and
+# row-parallel (split inputs, dim 1) projections.
+_COLUMN_PARALLEL = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|wq|wk|wv|w1|w3)\.weight$")
+_ROW_PARALLEL = re.compile(r"(o_proj|down_proj|wo|w2)\.weight$")
+_STACKED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]")  # experts.gate_up_proj, not experts.3.up_proj
+
+
+def _split(buf: DBuffer) -> int:
+    """How many TP/EP ranks hold a different local part of the bucket's tensors (1: none)."""
+    name = buf.names[0]
+    spec = buf.dtensor_specs.get(name)
+    return 1 if spec is None else spec.shape.numel() // buf.shapes[name].numel()
+
+
+def _composed_mesh_and_parameters(mesh_shape: tuple[int, ...], tp: int, ep: int, params: list):
+    """A named ``(rep, dp, ep, tp)`` mesh (size-1 dims left out) and the parameters as TP/EP DTensors."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sizes = {"rep": mesh_shape[0] if len(mesh_shape) == 2 else 1, "dp": mesh_shape[-1] // ep, "ep": ep, "tp": tp}
+    names = tuple(n for n, size in sizes.items() if size > 1 or n == "dp")
+    mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+    composed = []
+    for name, p in params:
+        split = None
+        if ep > 1 and _STACKED_EXPERTS.search(name) and p.shape[0] % ep == 0:
+            split = ("ep", 0)
+        elif tp > 1 and _COLUMN_PARALLEL.search(name) and p.dim() == 2 and p.shape[0] % tp == 0:
+            split = ("tp", 0)
+        elif tp > 1 and _ROW_PARALLEL.search(name) and p.dim() == 2 and p.shape[1] % tp == 0:
+            split = ("tp", 1)
+        if split is not None:
+            dim_name, dim = split
+            local = list(p.shape)
+            local[dim] //= sizes[dim_name]
+            p = nn.Parameter(DTensor.from_local(torch.empty(local, dtype=p.dtype, device="meta"), mesh[dim_name],
+                                                [Shard(dim)], run_check=False, shape=p.shape, stride=p.stride()),
+                             requires_grad=p.requires_grad)
+        composed.append((name, p))
+    shard_dims = tuple(n for n in ("dp", "ep") if n in names)
+    model_dims = tuple(n for n in ("ep", "tp") if n in names)
+    replicate = "rep" if "rep" in names else None
+    return resolve_mesh(mesh, shard_dims, "the planning mesh", replicate_dim=replicate, model_dims=model_dims), composed
 
 
 def plot_sweep(model: nn.Module, name: str, largest: int, path: str, **plan_options) -> None:
@@ -358,7 +427,9 @@ def _mesh_shape(args: argparse.Namespace) -> tuple[int, ...]:
     if args.mesh_shape is None:
         if args.world_size is None:
             raise SystemExit("plan: give --world-size or --mesh-shape")
-        return (args.world_size,)
+        if args.tp < 1 or args.world_size % args.tp:
+            raise SystemExit(f"--tp {args.tp} must divide --world-size {args.world_size}")
+        return (args.world_size // args.tp,)
     try:
         shape = tuple(int(d) for d in args.mesh_shape.lower().split("x"))
     except ValueError:
@@ -367,9 +438,10 @@ def _mesh_shape(args: argparse.Namespace) -> tuple[int, ...]:
         ) from None
     if len(shape) not in (1, 2) or min(shape) < 1:
         raise SystemExit(f"--mesh-shape {args.mesh_shape!r}: 1 or 2 positive sizes, e.g. 8192 or 2x8192")
-    if args.world_size is not None and math.prod(shape) != args.world_size:
+    if args.world_size is not None and math.prod(shape) * args.tp != args.world_size:
         raise SystemExit(
-            f"--mesh-shape {args.mesh_shape} covers {math.prod(shape)} ranks, not --world-size {args.world_size}"
+            f"--mesh-shape {args.mesh_shape} x --tp {args.tp} covers {math.prod(shape) * args.tp} ranks, not "
+            f"--world-size {args.world_size}"
         )
     return shape
 
@@ -389,10 +461,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = dict(bucket_size=args.bucket_size, block_rows=block_rows, param_dtype=param_dtype,
                    reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                    optimizer=args.optimizer, reshard_after_forward=not args.no_reshard_after_forward)
+    parallel = dict(tp=args.tp, ep=args.ep)
     started = time.perf_counter()
     try:
         model = load_model(args.model, param_dtype)
-        summary = plan_model(model, mesh_shape, name=args.model, **options)
+        summary = plan_model(model, mesh_shape, name=args.model, **options, **parallel)
     except (ValueError, TypeError) as e:  # a model or option fsdp_pass cannot shard: say why, no traceback
         raise SystemExit(f"plan: {e}") from None
     # Report the whole run, model construction included.
@@ -432,8 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True,
                       help=f"a built-in config ({', '.join(MODELS)}) or module:factory "
                            f"(called under torch.device('meta'))")
-    plan.add_argument("--world-size", type=int, help="ranks in all (default: the product of --mesh-shape)")
+    plan.add_argument("--world-size", type=int,
+                      help="ranks in all (default: the product of --mesh-shape and --tp)")
     plan.add_argument("--mesh-shape", help="SHARD or REPLICATExSHARD (HSDP), e.g. 2x8192")
+    plan.add_argument("--tp", type=int, default=1,
+                      help="tensor parallel ranks next to the mesh (column/row-parallel projections; default 1)")
+    plan.add_argument("--ep", type=int, default=1,
+                      help="expert parallel ranks out of the shard ranks (stacked experts; default 1)")
     plan.add_argument("--bucket-size", type=_element_count,
                       help="most elements per bucket (default: one bucket per unit)")
     blocks = plan.add_mutually_exclusive_group()
