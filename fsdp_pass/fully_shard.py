@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .passes.detect import block_size
-from .runtime.mesh import resolve_mesh
+from .runtime.mesh import model_mesh_dims, resolve_mesh
 from .runtime.meta_init import initialize_meta_parameters, meta_parameter_owners
 from .runtime.sharding import ShardingConfig, check_one_device, shard_parameters
 
@@ -20,7 +20,8 @@ def fully_shard(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    shard_dim: int | None = None,
+    shard_dim: int | str | tuple[str, ...] | None = None,
+    replicate_dim: int | str | None = None,
     bucket_size: int | None = None,
     min_bucket_bytes: int | None = None,
     block_sizes: Mapping[str, Any] | None = None,
@@ -39,14 +40,17 @@ def fully_shard(
     Args:
         module: the model.
         mesh: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) DeviceMesh; default all ranks.
-        shard_dim: the sharding dim of a 2-D mesh (default: the last).
+        shard_dim: the sharding dim of a 2-D mesh (default: the last); on a named mesh with
+            tensor/expert-parallel DTensor parameters, the data-parallel dim name(s).
+        replicate_dim: the HSDP dim of a named mesh.
         bucket_size: most elements in one bucket.
         min_bucket_bytes: smaller units are merged with neighbours (default: cost model; 0: never).
         block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
         align_bytes: alignment of tensor starts and shard sizes.
     """
-    sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh")
     named = list(module.named_parameters(remove_duplicate=True))
+    sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
+                                 model_dims=model_mesh_dims(named))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
