@@ -9,7 +9,7 @@ traced once by ``torch.compile`` with a backend that only keeps Dynamo's graph. 
 depend on the world size. Then, for each world size, fresh meta parameters of the same shapes are put
 in the parameter slots, and the passes run as ``fsdp_pass.backend.vescale`` chains them:
 
-    find_parameters ─ block_sizes ─ assign_buckets (plan, DBuffers, swap)
+    find_parameters ─ shard_sites (block sizes, mesh roles, plan, DBuffers, swap)
       ─ copy_dynamo_graph ─ rewrite_parameters
 
 The passes allocate nothing but this rank's shard of each bucket (on the CPU). The rewritten graph is
@@ -50,12 +50,10 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from fsdp_pass.cli import fake_process_group  # noqa: E402
 from fsdp_pass.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
-from fsdp_pass.passes.detect import block_sizes, find_parameters  # noqa: E402
+from fsdp_pass.backend import shard_sites  # noqa: E402
+from fsdp_pass.passes.detect import find_parameters  # noqa: E402
 from fsdp_pass.passes.rewrite import copy_dynamo_graph, rewrite_parameters  # noqa: E402
-from fsdp_pass.passes.shard import assign_buckets  # noqa: E402
 from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket  # noqa: E402
-from fsdp_pass.runtime.mesh import model_mesh_dims, resolve_mesh  # noqa: E402
-from fsdp_pass.runtime.sharding import ShardingConfig  # noqa: E402
 
 MODELS = ("llama3-70b", "deepseek-v3")
 WORLDS = (1024, 4096, 16384)
@@ -297,12 +295,8 @@ def run_passes(captured: Captured, options: dict) -> dict:
     rss = _rss_bytes()
     t0 = time.perf_counter()
     sites = find_parameters(captured.gm, inputs)
-    blocks = block_sizes(sites, opts.block_sizes)
     t1 = time.perf_counter()
-    named = [(s.name, s.param) for s in sites]
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
-    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
-    buckets, new = assign_buckets(sites, blocks, mesh, config)
+    buckets, new = shard_sites(sites, opts)
     t2 = time.perf_counter()
     rewritten = rewrite_parameters(copy_dynamo_graph(captured.gm), sites, buckets, opts.param_dtype,
                                    opts.reduce_dtype)

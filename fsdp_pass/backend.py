@@ -23,7 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from . import log
 from .options import Options
-from .passes.detect import block_sizes, find_parameters
+from .passes.detect import ParamSite, block_sizes, find_parameters
 from .passes.rewrite import copy_dynamo_graph, rewrite_parameters
 from .passes.schedule import schedule_overlap, tag_reshard_after_forward
 from .passes.shard import assign_buckets
@@ -32,7 +32,7 @@ from .runtime.dbuffer import DBuffer
 from .runtime.mesh import model_mesh_dims, resolve_mesh
 from .runtime.sharding import ShardingConfig
 
-__all__ = ["CompiledGraph", "vescale"]
+__all__ = ["CompiledGraph", "shard_sites", "vescale"]
 
 
 @dataclass
@@ -99,6 +99,15 @@ def _compile(gm: fx.GraphModule, inputs: list, opts: Options, record: CompiledGr
         return compile_fx(gm, inputs, inner_compile=_capture(record, compiler=compile_fx_inner), config_patches=patches)
 
 
+def shard_sites(sites: Sequence[ParamSite], opts: Options) -> tuple[dict[str, tuple[DBuffer, str]], list[DBuffer]]:
+    """Pass 2 with the backend's options: block sizes, the mesh's roles, then buckets (sharding new parameters)."""
+    named = [(s.name, s.param) for s in sites]
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
+    blocks = block_sizes(sites, opts.block_sizes)
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
+    return assign_buckets(sites, blocks, mesh, config)
+
+
 @register_backend
 def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
     """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it."""
@@ -110,12 +119,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         _records.append(record)
         return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
 
-    named = [(s.name, s.param) for s in sites]
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
     check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
-    blocks = block_sizes(sites, opts.block_sizes)
-    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
-    buckets, new = assign_buckets(sites, blocks, mesh, config)
+    buckets, new = shard_sites(sites, opts)
     for buf in new:
         log.plan(buf)
 

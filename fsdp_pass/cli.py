@@ -143,7 +143,7 @@ class PlanSummary:
 
     @property
     def padding(self) -> int:
-        return sum(b.copies * b.padding for b in self.buckets)
+        return sum(b.copies * b.padding * b.split for b in self.buckets)
 
     def per_rank_bytes(self) -> dict[str, int]:
         """Memory of the busiest rank, activations excluded."""

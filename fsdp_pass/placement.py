@@ -14,7 +14,6 @@ Nothing here imports ``torch.distributed``; the runtime builds on these function
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
@@ -32,7 +31,6 @@ def numel_of(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-@dataclass(frozen=True)
 class RaggedShard:
     """How one tensor is split over the ranks of one mesh dimension.
 
@@ -41,19 +39,58 @@ class RaggedShard:
         local_units: blocks held by each rank, in rank order; zeros allowed.
 
     Rank ``r`` holds flat elements ``[block * sum(units[:r]), block * sum(units[:r+1]))``.
+
+    Stored compactly: the world size and the counts of the ranks from the first to the last one
+    that holds anything. In a planned bucket a tensor spans a few of thousands of ranks, so a
+    placement costs its span, not the world size (:meth:`spanning` builds one that way).
     """
 
-    block: int
-    local_units: tuple[int, ...]
+    __slots__ = ("block", "world_size", "first", "span")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "local_units", tuple(map(int, self.local_units)))
-        if self.block < 1:
-            raise ValueError(f"RaggedShard block must be >= 1 element, got {self.block}")
-        if not self.local_units:
+    def __init__(self, block: int, local_units: Sequence[int]) -> None:
+        units = tuple(map(int, local_units))
+        if not units:
             raise ValueError("RaggedShard needs one entry of local_units per rank, got none")
-        if min(self.local_units) < 0:
-            raise ValueError(f"RaggedShard local_units must be >= 0, got {self.local_units}")
+        if min(units) < 0:
+            raise ValueError(f"RaggedShard local_units must be >= 0, got {units}")
+        held = [r for r, u in enumerate(units) if u]
+        first, last = (held[0], held[-1] + 1) if held else (0, 0)
+        self._set(block, len(units), first, units[first:last])
+
+    @classmethod
+    def spanning(cls, block: int, world_size: int, first: int, span: Sequence[int]) -> "RaggedShard":
+        """``span[i]`` blocks on rank ``first + i`` and none elsewhere (O(span), not O(world size))."""
+        if first < 0 or first + len(span) > world_size or (span and min(span) < 0):
+            raise ValueError(f"RaggedShard span {list(span)} from rank {first} does not fit {world_size} ranks")
+        made = cls.__new__(cls)
+        units = tuple(map(int, span))
+        lead = next((i for i, u in enumerate(units) if u), len(units))
+        trail = len(units) - next((i for i, u in enumerate(reversed(units)) if u), len(units))
+        made._set(block, world_size, first + lead if lead < trail else 0, units[lead:trail])
+        return made
+
+    def _set(self, block: int, world_size: int, first: int, span: tuple[int, ...]) -> None:
+        if block < 1:
+            raise ValueError(f"RaggedShard block must be >= 1 element, got {block}")
+        object.__setattr__(self, "block", int(block))
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "span", span)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("RaggedShard is immutable")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, RaggedShard):
+            return NotImplemented
+        return (self.block, self.world_size, self.first, self.span) == (
+            other.block, other.world_size, other.first, other.span)
+
+    def __hash__(self) -> int:
+        return hash((self.block, self.world_size, self.first, self.span))
+
+    def __reduce__(self):
+        return (RaggedShard.spanning, (self.block, self.world_size, self.first, self.span))
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -70,16 +107,17 @@ class RaggedShard:
             raise ValueError(f"root {root} is outside the {world_size} ranks; pick a root in [0, {world_size})")
         block = numel if block is None else block
         blocks = _block_count(numel, block, "tensor") if numel else 0
-        return cls(max(block, 1), tuple(blocks if r == root else 0 for r in range(world_size)))
+        return cls.spanning(max(block, 1), world_size, root, (blocks,))
 
     # -- queries ------------------------------------------------------------------------------
     @property
-    def world_size(self) -> int:
-        return len(self.local_units)
+    def local_units(self) -> tuple[int, ...]:
+        """Blocks held by every rank (a tuple of ``world_size`` counts, built on request)."""
+        return (0,) * self.first + self.span + (0,) * (self.world_size - self.first - len(self.span))
 
     @property
     def num_blocks(self) -> int:
-        return sum(self.local_units)
+        return sum(self.span)
 
     @property
     def numel(self) -> int:
@@ -90,11 +128,17 @@ class RaggedShard:
         """``[start, end)`` of ``rank``'s piece in the flattened tensor."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a RaggedShard of {self.world_size} ranks")
-        start = sum(self.local_units[:rank])
-        return start * self.block, (start + self.local_units[rank]) * self.block
+        i = min(max(rank - self.first, 0), len(self.span))
+        start = sum(self.span[:i])
+        return start * self.block, (start + self.local_units_of(rank)) * self.block
+
+    def local_units_of(self, rank: int) -> int:
+        """Blocks ``rank`` holds."""
+        i = rank - self.first
+        return self.span[i] if 0 <= i < len(self.span) else 0
 
     def local_numel(self, rank: int) -> int:
-        return self.local_units[rank] * self.block
+        return self.local_units_of(rank) * self.block
 
     def ranges(self) -> list[tuple[int, int]]:
         """``local_range`` of every rank, in rank order."""

@@ -137,13 +137,16 @@ class Layout:
         """The tensor's :class:`RaggedShard` in this layout (block counts per rank)."""
         spec = self._by_name[name]
         block = max(spec.block, 1)
-        units = [0] * self.world_size
         lo, hi = self.global_range(name)
-        if hi > lo:  # only the ranks the tensor spans hold blocks (cheap at 16384 ranks)
-            for r in range(lo // self.shard_size, (hi - 1) // self.shard_size + 1):
-                a, b = self.local_range(name, r)
-                units[r] = (b - a) // block
-        return RaggedShard(block, tuple(units))
+        if hi == lo:
+            return RaggedShard.spanning(block, self.world_size, 0, ())
+        # Only the ranks the tensor spans hold blocks: the placement costs its span, not the world size.
+        first, last = lo // self.shard_size, (hi - 1) // self.shard_size
+        span = []
+        for r in range(first, last + 1):
+            a, b = self.local_range(name, r)
+            span.append((b - a) // block)
+        return RaggedShard.spanning(block, self.world_size, first, span)
 
     def segments(self) -> list[tuple[str | None, int]]:
         """The global buffer as consecutive ``(name, size)`` pieces; ``None`` names padding."""

@@ -58,6 +58,20 @@ def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
     assert out["comm_bytes_per_rank"]["all_gather_forward"] == (m - 1) * out["per_rank_bytes"]["params"]
 
 
+@pytest.mark.parametrize("model,flag", [("llama3-70b", "--tp"), ("gpt-oss-120b", "--ep")])
+def test_plan_composed_with_tensor_or_expert_parallelism_at_16384_ranks(model, flag):
+    """TP/EP split a parameter first, FSDP shards what is left: every rank still holds 1/16384 (+ padding)."""
+    out = json.loads(_cli("plan", "--model", model, "--world-size", "16384", flag, "8", "--json").stdout)
+    plain = json.loads(_cli("plan", "--model", model, "--world-size", "16384", "--json").stdout)
+    total, padding = total_params(model), out["padding"]["elements"]
+    assert (out["world_size"], out["tp" if flag == "--tp" else "ep"]) == (16384, 8)
+    assert out["params"] == total
+    assert out["per_rank_bytes"]["params"] == (total + padding) // 16384 * torch.bfloat16.itemsize
+    assert padding <= 0.01 * total
+    # The split tensors are gathered over 2048 ranks instead of 16384: less all_gather traffic per rank.
+    assert out["comm_bytes_per_rank"]["all_gather_forward"] < plain["comm_bytes_per_rank"]["all_gather_forward"]
+
+
 def test_plan_hsdp_shards_over_the_last_mesh_dim():
     out = plan_model(build_meta_model("llama3-8b"), (2, 64)).to_dict()
     assert (out["shard_size"], out["replicate_size"], out["world_size"]) == (64, 2, 128)
