@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._dynamo import register_backend
+from torch.distributed.tensor import DTensor
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -99,6 +100,20 @@ def _compile(gm: fx.GraphModule, inputs: list, opts: Options, record: CompiledGr
         return compile_fx(gm, inputs, inner_compile=_capture(record, compiler=compile_fx_inner), config_patches=patches)
 
 
+def _check_static_shapes_with_dtensor_parameters(sites: Sequence[ParamSite], example_inputs: Sequence[Any]) -> None:
+    """Tracing the backward of rebuilt TP/EP DTensors with symbolic shapes overflows the recursion
+    limit (torch 2.13): refuse it up front, with the fix, rather than fail deep inside the trace."""
+    dtensors = [s.name for s in sites if isinstance(s.param, DTensor)]
+    symbolic = any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs)
+    if dtensors and symbolic:
+        raise ValueError(
+            f"the graph has tensor/expert-parallel DTensor parameters ({dtensors[0]}, ...) and dynamic shapes; "
+            f"compile with torch.compile(model, backend='vescale', dynamic=False, ...): a new input shape then "
+            f"recompiles with static shapes"
+        )
+
+
 def shard_sites(sites: Sequence[ParamSite], opts: Options) -> tuple[dict[str, tuple[DBuffer, str]], list[DBuffer]]:
     """Pass 2 with the backend's options: block sizes, the mesh's roles, then buckets (sharding new parameters)."""
     named = [(s.name, s.param) for s in sites]
@@ -119,6 +134,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         _records.append(record)
         return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
 
+    _check_static_shapes_with_dtensor_parameters(sites, example_inputs)
     check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
     buckets, new = shard_sites(sites, opts)
     for buf in new:
