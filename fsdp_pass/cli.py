@@ -317,7 +317,7 @@ def plan_model(
     ``mesh_shape`` is ``(replicate, shard)`` (HSDP). ``block_rows``: see :func:`block_elements`.
     ``tp``: tensor parallel ranks next to ``mesh_shape`` (Megatron column/row split of attention and
     MLP projections by name); ``ep``: expert parallel ranks taken from the shard ranks (stacked
-    experts split on their first dim). Each parameter is then sharded over the ranks its split
+    experts split on their first dim; per-expert modules dealt out, ``E/ep`` to each EP rank). Each parameter is then sharded over the ranks its split
     leaves (:class:`~fsdp_pass.runtime.mesh.ParallelMesh`).
     """
     started = time.perf_counter()
@@ -358,6 +358,7 @@ def plan_model(
 _COLUMN_PARALLEL = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|wq|wk|wv|w1|w3)\.weight$")
 _ROW_PARALLEL = re.compile(r"(o_proj|down_proj|wo|w2)\.weight$")
 _STACKED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]")  # experts.gate_up_proj, not experts.3.up_proj
+_EXPERT_MODULE = re.compile(r"^(.*\.experts\.)(\d+)\.")  # experts.3.up_proj: one module per expert
 
 
 def _split(buf: DBuffer) -> int:
@@ -374,10 +375,24 @@ def _composed_mesh_and_parameters(mesh_shape: tuple[int, ...], tp: int, ep: int,
     sizes = {"rep": mesh_shape[0] if len(mesh_shape) == 2 else 1, "dp": mesh_shape[-1] // ep, "ep": ep, "tp": tp}
     names = tuple(n for n, size in sizes.items() if size > 1 or n == "dp")
     mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+    experts: dict[str, int] = {}  # per-expert modules: experts per MoE layer
+    for name, _ in params:
+        match = _EXPERT_MODULE.match(name)
+        if match:
+            experts[match.group(1)] = max(experts.get(match.group(1), 0), int(match.group(2)) + 1)
     composed = []
     for name, p in params:
         split = None
-        if ep > 1 and _STACKED_EXPERTS.search(name) and p.shape[0] % ep == 0:
+        module = _EXPERT_MODULE.match(name) if ep > 1 else None
+        if module and experts[module.group(1)] % ep == 0:
+            # Expert slot j of every EP rank (expert k*E/ep + j on rank k) planned as one tensor split
+            # Shard(0) over EP: rank 0's experts stand for every rank's, which hold the same shapes.
+            if int(module.group(2)) >= experts[module.group(1)] // ep:
+                continue
+            p = nn.Parameter(torch.empty((ep * p.shape[0], *p.shape[1:]), dtype=p.dtype, device="meta"),
+                             requires_grad=p.requires_grad)
+            split = ("ep", 0)
+        elif ep > 1 and _STACKED_EXPERTS.search(name) and p.shape[0] % ep == 0:
             split = ("ep", 0)
         elif tp > 1 and _COLUMN_PARALLEL.search(name) and p.dim() == 2 and p.shape[0] % tp == 0:
             split = ("tp", 0)

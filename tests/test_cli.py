@@ -72,6 +72,15 @@ def test_plan_composed_with_tensor_or_expert_parallelism_at_16384_ranks(model, f
     assert out["comm_bytes_per_rank"]["all_gather_forward"] < plain["comm_bytes_per_rank"]["all_gather_forward"]
 
 
+def test_plan_deals_per_expert_modules_out_to_expert_parallel_ranks():
+    """DeepSeek-V3's 256 experts per layer are separate modules: each of 8 EP ranks holds 32 of them."""
+    out = json.loads(_cli("plan", "--model", "deepseek-v3", "--world-size", "16384", "--ep", "8",
+                          "--bucket-size", "1e9", "--json").stdout)
+    total, padding = total_params("deepseek-v3"), out["padding"]["elements"]
+    assert out["params"] == total
+    assert out["per_rank_bytes"]["params"] == (total + padding) // 16384 * torch.bfloat16.itemsize
+
+
 def test_plan_hsdp_shards_over_the_last_mesh_dim():
     out = plan_model(build_meta_model("llama3-8b"), (2, 64)).to_dict()
     assert (out["shard_size"], out["replicate_size"], out["world_size"]) == (64, 2, 128)
