@@ -12,6 +12,7 @@ from .runtime.annotations import set_block
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
+from .state_dict import get_full_state_dict, set_full_state_dict
 
 __all__ = [
     "Layout",
@@ -21,8 +22,10 @@ __all__ = [
     "distribute_tensor",
     "explain",
     "fully_shard",
+    "get_full_state_dict",
     "plan",
     "plan_buckets",
     "set_block",
+    "set_full_state_dict",
 ]
 __version__ = "0.1.0"

@@ -237,6 +237,13 @@ def _save_tp_worker(rank: int, world: int, path: str) -> None:
     full = _full_state(model, opt)
     if rank == 0:
         torch.save(full, f"{path}/full.pt")
+    # The whole-tensor state dict: gathered over FSDP and TP ranks, and loaded back piece by piece.
+    exported = fsdp_pass.get_full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(exported[n], full[n]) for n, _ in model.named_parameters())
+    fresh, _ = _tp_model_and_optimizer(mesh)
+    fsdp_pass.fully_shard(fresh, mesh, shard_dim="dp")
+    fsdp_pass.set_full_state_dict(fresh, exported)
+    assert all(torch.equal(p.full_tensor(), full[n]) for n, p in fresh.named_parameters())
 
 
 def _load_worker(rank: int, world: int, path: str) -> None:

@@ -1,0 +1,74 @@
+"""Whole (unsharded) state dicts of a sharded model: export on rank 0, load on every rank.
+
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(..., full_state_dict=True)`` gathers
+DTensors only; a RaggedShard parameter would come back as this rank's piece. These two functions
+are the full-state counterparts for models sharded by ``fully_shard`` or the ``vescale`` backend,
+including tensor/expert-parallel DTensor parameters whose local tensors are RaggedShard.
+For sharded checkpoints that load at any world size, use DCP (``torch.distributed.checkpoint``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .runtime.ragged_tensor import RaggedShardTensor
+
+__all__ = ["get_full_state_dict", "set_full_state_dict"]
+
+
+def _is_distributed(t: torch.Tensor) -> bool:
+    return isinstance(t, (RaggedShardTensor, DTensor))
+
+
+def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded tensor gathered whole (plain tensors).
+
+    A collective: call it on every rank, in the same order. With ``rank0_only`` the other ranks
+    get ``{}`` (they still take part in the gathers); ``cpu_offload`` moves the result to the CPU.
+    """
+    module = getattr(model, "_orig_mod", model)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict().items():
+        whole = value.full_tensor() if _is_distributed(value) else value.detach()
+        if keep:
+            out[name] = whole.cpu() if cpu_offload else whole
+    return out
+
+
+@torch.no_grad()
+def set_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load whole tensors (every rank passes the same ``state``): each rank keeps only its piece.
+
+    No communication. ``strict`` raises on missing or unexpected keys, like ``load_state_dict``.
+    """
+    module = getattr(model, "_orig_mod", model)
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"set_full_state_dict: missing keys {missing}, unexpected keys {unexpected}; pass the state dict of the "
+            f"same model (get_full_state_dict) or strict=False"
+        )
+    for name, target in own.items():
+        if name not in state:
+            continue
+        full = state[name]
+        if tuple(full.shape) != tuple(target.shape):
+            raise ValueError(
+                f"set_full_state_dict: {name!r} has shape {tuple(full.shape)} but the model's is "
+                f"{tuple(target.shape)}; pass whole (unsharded) tensors of the model's shapes"
+            )
+        if isinstance(target, DTensor):  # tensor/expert parallel: this rank's block, then its RaggedShard piece
+            spec = target._spec
+            shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+            block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            target._local_tensor.copy_(block.to(target.device, target.dtype))
+        else:
+            target.copy_(full.to(target.device, target.dtype))
