@@ -402,15 +402,6 @@ def evaluate(compiled, held: torch.Tensor, args, d: Dist) -> float:
     return total.item() / (args.eval_batches * d.world)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered whole (a collective: every rank must call it), on the CPU."""
-    state = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, fsdp_pass.RaggedShardTensor) else p
-        state[name] = full.detach().cpu().clone()
-    return state
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -531,7 +522,7 @@ def main(argv=None) -> dict:
     }
 
     if args.checkpoint_dir:
-        state = full_state_dict(model)  # every rank takes part in the gathers
+        state = fsdp_pass.get_full_state_dict(model)  # every rank takes part in the gathers; rank 0 gets it
         if d.rank == 0:
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             path = os.path.join(args.checkpoint_dir, "model.pt")
