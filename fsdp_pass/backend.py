@@ -12,6 +12,7 @@ parameters' RaggedShard ``.grad`` views.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -38,21 +39,47 @@ __all__ = ["CompiledGraph", "shard_sites", "vescale"]
 
 @dataclass
 class CompiledGraph:
-    """What one backend call produced; ``explain()`` reads these."""
+    """What one backend call produced; ``explain()`` reads these.
+
+    The record refers to its DBuffers weakly: it must not keep a deleted model's shards alive.
+    """
 
     options: Options
-    buffers: list[DBuffer]
+    _buffer_refs: list[weakref.ref] = field(default_factory=list)
     graphs: dict[str, str] = field(default_factory=dict)  # stage name → readable graph
     modules: dict[str, fx.GraphModule] = field(default_factory=dict)  # stage name → graph, for tests and tools
 
+    @property
+    def buffers(self) -> list[DBuffer]:
+        """The DBuffers this graph gathers (those still alive)."""
+        return [b for b in (ref() for ref in self._buffer_refs) if b is not None]
 
-# Every backend call of this process, for explain().
+    @buffers.setter
+    def buffers(self, buffers: list[DBuffer]) -> None:
+        self._buffer_refs = [weakref.ref(b) for b in buffers]
+
+    @property
+    def alive(self) -> bool:
+        """False once every DBuffer of a graph that had some is gone (its model was deleted)."""
+        return not self._buffer_refs or any(ref() is not None for ref in self._buffer_refs)
+
+
+# The backend calls of this process, for explain(): records of deleted models are dropped, and of
+# graphs without parameters only the latest few are kept.
 _records: list[CompiledGraph] = []
+_KEPT_WITHOUT_PARAMETERS = 16
+
+
+def _remember(record: CompiledGraph) -> None:
+    _records.append(record)
+    without = [r for r in _records if not r._buffer_refs]
+    stale = set(map(id, without[:-_KEPT_WITHOUT_PARAMETERS]))
+    _records[:] = [r for r in _records if r.alive and id(r) not in stale]
 
 
 def records() -> list[CompiledGraph]:
-    """Every graph the backend compiled in this process, oldest first."""
-    return list(_records)
+    """The graphs the backend compiled in this process (for models still alive), oldest first."""
+    return [r for r in _records if r.alive]
 
 
 def _readable(gm: fx.GraphModule) -> str:
@@ -128,10 +155,10 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it."""
     opts = Options.from_dict(options)
     sites = find_parameters(gm, example_inputs)
-    record = CompiledGraph(opts, [])
+    record = CompiledGraph(opts)
     record.graphs["dynamo"] = _readable(gm)
     if not sites:
-        _records.append(record)
+        _remember(record)
         return _compile(copy_dynamo_graph(gm), list(example_inputs), opts, record)
 
     _check_static_shapes_with_dtensor_parameters(sites, example_inputs)
@@ -151,7 +178,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
     compiled = _compile(rewritten.gm, shard_fakes + rest, opts, record)
-    _records.append(record)
+    _remember(record)
 
     shards = [b.shard for b in rewritten.buffers]
     buffers = rewritten.buffers

@@ -266,3 +266,22 @@ def test_fake_process_group_plans_and_compiles_1024_ranks():
             b.layout.validate()
     finally:
         dist.destroy_process_group()
+
+
+def test_records_let_a_deleted_model_go():
+    """explain()'s records refer to DBuffers weakly: deleting the model frees its shards."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    compiled(torch.randn(4, 19)).sum().backward()
+    record = records()[-1]
+    shard = weakref.ref(record.buffers[0].shard)
+    assert record.alive and record.buffers
+    del model, compiled
+    torch._dynamo.reset()  # Dynamo's cache holds the compiled function, and it the buffers
+    gc.collect()
+    assert shard() is None, "a record kept the deleted model's shard alive"
+    assert not record.alive and record not in records()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -196,9 +197,17 @@ def shard_parameters(
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
         if trainable:
-            buf.shard.register_post_accumulate_grad_hook(lambda _, b=buf: b.attach_grads())
+            # The hook lives in C++ on the shard, out of the garbage collector's sight: a strong
+            # reference to the buffer there would keep the whole model alive forever.
+            buf.shard.register_post_accumulate_grad_hook(lambda _, ref=weakref.ref(buf): _attach_grads(ref))
         buffers.append(buf)
     return buffers
+
+
+def _attach_grads(ref: weakref.ref) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.attach_grads()
 
 
 def _merge_small_units(units: list, min_bytes: int, max_numel: int | None) -> list:
