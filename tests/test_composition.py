@@ -145,8 +145,11 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
         if isinstance(p, DTensor):  # TP/EP first, then FSDP: the DTensor keeps its placement
             model_parallel += 1
             assert all(isinstance(pl, Shard) for pl in p.placements)
-            assert tuple(_local_piece(p).shape) == (p._local_tensor.placement.local_numel(
-                p._local_tensor._spec.rank),)
+            ragged = p._local_tensor
+            assert tuple(_local_piece(p).shape) == (ragged.placement.local_numel(ragged._spec.rank),)
+            for placement in p.placements:  # Shard(d > 0): no rank boundary cuts the local rows
+                if placement.dim > 0:
+                    assert ragged.placement.block % math.prod(ragged.shape[placement.dim:]) == 0, name
     assert model_parallel > 0
 
     # Each rank holds 1/world of the parameters, plus padding.
