@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -27,6 +28,12 @@ def _worker(rank: int, world_size: int, init_file: str, fn, args, errors, pg_tim
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The body passed and the group is gone. Skip interpreter finalization: on a loaded machine a
+    # C++ thread left by gloo or Dynamo is sometimes still joinable there and aborts the process
+    # ("terminate called without an active exception"), which would read as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300, pg_timeout: float = 60) -> None:
