@@ -137,11 +137,13 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
 
     ref_params = dict(reference.named_parameters())
     model_parallel = 0
+    worst_param = 0.0
     for name, p in model.named_parameters():
         assert is_sharded(p), f"{name} was not sharded"
         full = p.full_tensor()
         diff = ((full - ref_params[name]).norm() / ref_params[name].norm()).item()
         assert diff <= TOLERANCE, f"{case}: {name} rel diff {diff:.3g}"
+        worst_param = max(worst_param, diff)
         if isinstance(p, DTensor):  # TP/EP first, then FSDP: the DTensor keeps its placement
             model_parallel += 1
             assert all(isinstance(pl, Shard) for pl in p.placements)
@@ -151,6 +153,9 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
                 if placement.dim > 0:
                     assert ragged.placement.block % math.prod(ragged.shape[placement.dim:]) == 0, name
     assert model_parallel > 0
+    if rank == 0:
+        print(f"{case} {compiler}: relative differences: loss {worst_loss:.2e}, gradient norm {worst_norm:.2e}, "
+              f"parameters {worst_param:.2e}")
 
     # Each rank holds 1/world of the parameters, plus padding.
     buffers = fsdp_pass.explain(compiled, print_output=False).buffers
