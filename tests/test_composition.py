@@ -304,6 +304,12 @@ def _muon_worker(rank: int, world: int) -> None:
         return (Muon(matrices, lr=0.02, ns_dtype=torch.float32),
                 torch.optim.AdamW([p for _, p in rest], lr=1e-2))
 
+    from fsdp_pass.optim import blockwise
+
+    on_roots = []  # TP matrices go to an FSDP root, where the TP group gathers them
+    gather_to_root = blockwise._on_fsdp_root
+    blockwise._on_fsdp_root = lambda job, whole, root, compute: (
+        on_roots.append(root) or gather_to_root(job, whole, root, compute))
     opts, ref_opts = optimizers(model), optimizers(reference)
     assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in opts[0].param_groups[0]["params"])
     compiled = torch.compile(model, backend="vescale", dynamic=False,
@@ -320,6 +326,8 @@ def _muon_worker(rank: int, world: int) -> None:
     for name, p in model.named_parameters():
         diff = ((p.full_tensor() - ref_params[name]).norm() / ref_params[name].norm()).item()
         assert diff <= TOLERANCE, f"{name} rel diff {diff:.3g} after Muon steps"
+    matrices = len(opts[0].param_groups[0]["params"])
+    assert len(on_roots) == 3 * matrices and set(on_roots) == {0, 1}, on_roots  # roots balanced over dp
 
 
 def test_muon_on_tensor_parallel_sharded_matrices():

@@ -10,8 +10,10 @@ rank holds one contiguous flat range of each parameter, so:
 * otherwise the input is redistributed to one *root* rank (one uneven all-to-all), the root runs
   the math on the whole tensor, and the result is redistributed back (a second all-to-all). Roots
   are chosen to balance the estimated compute over the ranks.
-* a tensor/expert-parallel parameter (a DTensor whose local tensor is RaggedShard) is gathered
-  whole (``full_tensor``: FSDP, then TP/EP ranks) and every rank runs the math and keeps its piece.
+* a tensor/expert-parallel parameter (a DTensor whose local tensor is RaggedShard) is gathered to
+  an FSDP root, whose TP/EP group all-gathers the global tensor and runs the math (Muon); math
+  that keeps state per parameter runs on the global tensor on every rank instead (``full_tensor``),
+  so every rank keeps its state in one layout.
 
 Either way the math sees exactly the blocks a single process would see, so results match a
 single-process run bitwise. Plain (unsharded) tensors are the single-process case.
@@ -127,21 +129,27 @@ class BlockJob:
         return isinstance(self.param, DTensor)
 
 
-def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tuple[list[Tensor], list[BlockJob]]:
+def run_on_whole_blocks(
+    jobs: Sequence[BlockJob], compute: BlockCompute, stateless: bool = False
+) -> tuple[list[Tensor], list[BlockJob]]:
     """Run ``compute`` on whole blocks of every job; return each output in the job's layout.
 
     ``compute(param, piece, layout)`` gets a flat piece made of whole blocks and the layout it
     belongs to (``layout.local_range`` says where it starts), and returns a flat tensor of the same
     numel. Every rank calls it for every job, with an empty piece where it holds nothing, so
     optimizer state can be created symmetrically. Returns ``(outputs, gathered_jobs)``.
+
+    ``stateless``: ``compute`` keeps no state per parameter (Muon's orthogonalization), so a TP/EP
+    parameter can be gathered to an FSDP root and computed there (:func:`_on_fsdp_root`) instead of
+    on every rank, where state would otherwise be created in different layouts on different ranks.
     """
     outputs: list[Tensor | None] = [None] * len(jobs)
     for i, job in enumerate(jobs):
         if job.is_local:
             outputs[i] = compute(job.param, job.piece, job.layout)
-        elif job.is_composed:
+        elif job.is_composed and not (stateless and _even_model_split(job.param)):
             outputs[i] = _on_whole_global_tensor(job, compute)
-    roots = _balanced_roots(jobs)
+    roots = _balanced_roots([None if job.is_composed and outputs[i] is not None else job for i, job in enumerate(jobs)])
     gathered = []
     for i, root in roots.items():
         job = jobs[i]
@@ -149,10 +157,32 @@ def run_on_whole_blocks(jobs: Sequence[BlockJob], compute: BlockCompute) -> tupl
         numel = layout.placement.numel
         on_root = RaggedShard.on_root(numel, layout.world_size, root)
         whole = _wrap(job.piece, layout, layout.placement).redistribute(on_root)
-        result = compute(job.param, whole._local, whole._spec)
+        if job.is_composed:
+            result = _on_fsdp_root(job, whole, root, compute)
+        else:
+            result = compute(job.param, whole._local, whole._spec)
         outputs[i] = _wrap(result, layout, on_root).redistribute(layout.placement)._local
         gathered.append(job)
     return outputs, gathered
+
+
+def _even_model_split(param: DTensor) -> bool:
+    """Every TP/EP rank holds a local block of the same shape, so all plan the same buckets and roots."""
+    spec = param._spec
+    return all(spec.shape[pl.dim] % spec.mesh.size(d) == 0 for d, pl in enumerate(spec.placements))
+
+
+def _on_fsdp_root(job: BlockJob, whole: RaggedShardTensor, root: int, compute: BlockCompute) -> Tensor:
+    """A TP/EP parameter gathered to FSDP rank ``root``: there its TP/EP group (the ranks of the same
+    FSDP coordinate) all-gathers the global tensor, computes, and keeps its own block."""
+    if whole._spec.rank != root:
+        return compute(job.param, whole._local, whole._spec)  # nothing held here: an empty piece
+    spec = job.param._spec
+    local = DTensor.from_local(whole._local.view(whole._spec.shape), spec.mesh, spec.placements, run_check=False,
+                               shape=spec.shape, stride=spec.stride)
+    result = compute(job.param, local.full_tensor().reshape(-1), None).view(spec.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return result[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].reshape(-1)
 
 
 def _on_whole_global_tensor(job: BlockJob, compute: BlockCompute) -> Tensor:
@@ -172,7 +202,7 @@ def _wrap(piece: Tensor, layout: RaggedSpec, placement: RaggedShard) -> RaggedSh
     return RaggedShardTensor.from_local(piece, layout.mesh, placement, layout.shape, layout.mesh_dim)
 
 
-def _balanced_roots(jobs: Sequence[BlockJob]) -> dict[int, int]:
+def _balanced_roots(jobs: Sequence[BlockJob | None]) -> dict[int, int]:
     """A root rank for every job whose layout cuts its blocks, balancing compute per process group.
 
     Greedy longest-processing-time: the costliest job first, onto the rank with the least work so
@@ -182,7 +212,7 @@ def _balanced_roots(jobs: Sequence[BlockJob]) -> dict[int, int]:
     """
     by_group: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
-        if job.layout is not None and not job.is_composed:
+        if job is not None and job.layout is not None:
             by_group.setdefault((job.layout.mesh, job.layout.mesh_dim), []).append(i)
     roots: dict[int, int] = {}
     for indices in by_group.values():
@@ -241,6 +271,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     """
 
     blocks_needed = "whole blocks"
+    stateless_block_math = False  # True: _block_math keeps no per-parameter state (see run_on_whole_blocks)
 
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         raise NotImplementedError
@@ -265,8 +296,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     jobs.append(self._job(p, group))
                     groups[p] = group
         compute = lambda p, piece, layout: self._block_math(p, piece, layout, groups[p])  # noqa: E731
-        outputs, gathered = run_on_whole_blocks(jobs, compute)
-        warn_gathered(self, gathered, self.blocks_needed, self._warned)
+        outputs, gathered = run_on_whole_blocks(jobs, compute, self.stateless_block_math)
+        # A TP/EP split always cuts the blocks: no layout could avoid that gather, so no warning.
+        warn_gathered(self, [job for job in gathered if not job.is_composed], self.blocks_needed, self._warned)
         for job, result in zip(jobs, outputs):
             self._apply(job.param, result, groups[job.param])
         return loss

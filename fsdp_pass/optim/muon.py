@@ -91,6 +91,7 @@ class Muon(BlockwiseOptimizer):
     """
 
     blocks_needed = "whole matrices (Muon orthogonalizes each one whole)"
+    stateless_block_math = True  # momentum is elementwise (in _job); Newton–Schulz keeps nothing
 
     def __init__(
         self,
