@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .runtime.ragged_tensor import RaggedShardTensor
+from .runtime.ragged_tensor import RaggedShardTensor, local_block
 
 __all__ = ["get_full_state_dict", "set_full_state_dict"]
 
@@ -66,9 +65,7 @@ def set_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, 
                 f"{tuple(target.shape)}; pass whole (unsharded) tensors of the model's shapes"
             )
         if isinstance(target, DTensor):  # tensor/expert parallel: this rank's block, then its RaggedShard piece
-            spec = target._spec
-            shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-            block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            block = local_block(full, target._spec)
             target._local_tensor.copy_(block.to(target.device, target.dtype))
         else:
             target.copy_(full.to(target.device, target.dtype))

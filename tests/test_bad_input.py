@@ -7,10 +7,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_pass
 from dist_harness import run_distributed
@@ -72,14 +70,6 @@ ERROR_CASES = [
     ("mesh smaller than the world", lambda: Params(w=torch.ones(4)), {"mesh": "two-rank mesh"},
      ValueError, r"options\['mesh'\] covers 2 ranks but the default process group has 4"),
 ]
-
-
-@pytest.fixture
-def four_fake_ranks():
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.nn as nn
 
 import fsdp_pass
 from dist_harness import run_distributed
+from fsdp_pass.runtime.ragged_tensor import ragged_part
 from fsdp_pass.runtime.sharding import is_sharded
 from models import Llama, LlamaConfig, init_std, lm_loss
 
@@ -57,10 +57,14 @@ CASES = {
 }
 
 
-def _local_piece(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+def _tokens(step: int, vocab: int = LlamaConfig.vocab) -> torch.Tensor:
+    """Step ``step``'s global batch, the same on every rank."""
+    return torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
-    return (p._local_tensor if isinstance(p, DTensor) else p)._local
+
+def _compile_tp(model: nn.Module, mesh) -> nn.Module:
+    return torch.compile(model, backend="vescale", dynamic=False,
+                         options={"mesh": mesh, "shard_dim": "dp", "compiler": "aot_eager"})
 
 
 def _batch_rows(mesh, batch_dims: tuple[str, ...]) -> slice:
@@ -114,7 +118,7 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
     data_parallel = math.prod(mesh.size(names.index(n)) for n in batch_dims)
     worst_loss = worst_norm = 0.0
     for step in range(STEPS):
-        tokens = torch.randint(0, cfg.vocab, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        tokens = _tokens(step, cfg.vocab)
         loss = lm_loss(compiled(tokens[rows]), tokens[rows])
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # below the norm: it clips
@@ -148,7 +152,7 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
             model_parallel += 1
             assert all(isinstance(pl, Shard) for pl in p.placements)
             ragged = p._local_tensor
-            assert tuple(_local_piece(p).shape) == (ragged.placement.local_numel(ragged._spec.rank),)
+            assert tuple(ragged_part(p)._local.shape) == (ragged.placement.local_numel(ragged._spec.rank),)
             for placement in p.placements:  # Shard(d > 0): no rank boundary cuts the local rows
                 if placement.dim > 0:
                     assert ragged.placement.block % math.prod(ragged.shape[placement.dim:]) == 0, name
@@ -162,7 +166,7 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
     total = sum(p.numel() for p in reference.parameters())
     held = sum(b.layout.shard_size for b in buffers)
     padding = sum(b.layout.padding / b.mesh.shard_size for b in buffers)
-    assert held == sum(_local_piece(p).numel() for p in model.parameters()) + padding
+    assert held == sum(ragged_part(p)._local.numel() for p in model.parameters()) + padding
     copies = mesh.size(names.index("rep")) if "rep" in names else 1  # HSDP replicas
     counted = torch.tensor([float(held - padding)], dtype=torch.float64)
     dist.all_reduce(counted)
@@ -232,11 +236,10 @@ def _save_tp_worker(rank: int, world: int, path: str) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, opt = _tp_model_and_optimizer(mesh)
-    compiled = torch.compile(model, backend="vescale", dynamic=False,
-                             options={"mesh": mesh, "shard_dim": "dp", "compiler": "aot_eager"})
+    compiled = _compile_tp(model, mesh)
     rows = _batch_rows(mesh, ("dp",))
     for step in range(2):
-        tokens = torch.randint(0, 61, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        tokens = _tokens(step)
         lm_loss(compiled(tokens[rows]), tokens[rows]).backward()
         opt.step()
         opt.zero_grad()
@@ -312,11 +315,10 @@ def _muon_worker(rank: int, world: int) -> None:
         on_roots.append(root) or gather_to_root(job, whole, root, compute))
     opts, ref_opts = optimizers(model), optimizers(reference)
     assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in opts[0].param_groups[0]["params"])
-    compiled = torch.compile(model, backend="vescale", dynamic=False,
-                             options={"mesh": mesh, "shard_dim": "dp", "compiler": "aot_eager"})
+    compiled = _compile_tp(model, mesh)
     rows = _batch_rows(mesh, ("dp",))
     for step in range(3):
-        tokens = torch.randint(0, 61, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        tokens = _tokens(step)
         lm_loss(compiled(tokens[rows]), tokens[rows]).backward()
         lm_loss(reference(tokens), tokens).backward()
         for opt in (*opts, *ref_opts):

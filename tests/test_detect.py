@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_pass
 from fsdp_pass.runtime.sharding import bucket_of
@@ -29,20 +27,12 @@ class Structured(nn.Module):
             + (x @ self.annotated.T).sum()
 
 
-@pytest.fixture
-def fake_world():
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    dist.destroy_process_group()
-
-
 def _block(p: torch.Tensor) -> int:
     buf, name = bucket_of(p)
     return buf.layout.spec(name).block
 
 
-def test_blocks_from_graph_patterns_annotations_and_options(fake_world):
+def test_blocks_from_graph_patterns_annotations_and_options(four_fake_ranks):
     model = Structured()
     options = {"compiler": "aot_eager", "block_sizes": {"pla*": {"elements": 20}}}
     torch.compile(model, backend="vescale", options=options)(torch.randn(2, 8)).backward()
@@ -55,7 +45,7 @@ def test_blocks_from_graph_patterns_annotations_and_options(fake_world):
         buf.layout.validate()  # no rank boundary cuts any of these blocks
 
 
-def test_block_that_cannot_divide_is_refused(fake_world):
+def test_block_that_cannot_divide_is_refused(four_fake_ranks):
     model = Structured()
     options = {"compiler": "aot_eager", "block_sizes": {"plain": 7}}
     with pytest.raises(Exception, match=r"parameter 'plain' of shape \(40, 8\)"):

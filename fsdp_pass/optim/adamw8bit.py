@@ -71,7 +71,6 @@ class AdamW8bit(BlockwiseOptimizer):
             for p in group["params"]:
                 if _is_8bit(p, group) and p.numel() % block_size == 0:
                     annotate_block(p, elements=block_size)
-        self._warned: set[int] = set()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, keeping the 8-bit codes ``uint8``.
@@ -94,9 +93,7 @@ class AdamW8bit(BlockwiseOptimizer):
         return BlockJob(p, flat_piece(p.grad), gradient_layout(p), block, float(p.numel()))
 
     def _apply(self, p: Tensor, update: Tensor, group: dict) -> None:
-        piece = flat_piece(p)
-        piece.mul_(1 - group["lr"] * group["weight_decay"])
-        piece.add_(update, alpha=-group["lr"] / (1 - group["betas"][0] ** self.state[p]["step"]))
+        self._decoupled_step(p, update, group["lr"] / (1 - group["betas"][0] ** self.state[p]["step"]), group)
 
     def _block_math(self, p: Tensor, grad: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
         """Update the moments of the elements in ``grad`` and return ``m / (sqrt(v / bc2) + eps)``."""

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..runtime.annotations import set_block
 from ..placement import RaggedShard
-from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
+from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, ragged_part
 
 __all__ = [
     "BlockJob",
@@ -50,20 +49,15 @@ __all__ = [
 BlockCompute = Callable[[Tensor, Tensor, "RaggedSpec | None"], Tensor]
 
 
-def _ragged_part(t: Tensor) -> Tensor:
-    """A tensor/expert-parallel DTensor's RaggedShard local tensor; other tensors as they are."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def flat_piece(t: Tensor) -> Tensor:
     """This rank's flat piece of ``t``: the local piece of a RaggedShardTensor, or ``t`` flattened (a view)."""
-    t = _ragged_part(t)
+    t = ragged_part(t)
     return t._local if isinstance(t, RaggedShardTensor) else t.detach().view(-1)
 
 
 def layout_of(t: Tensor) -> RaggedSpec | None:
     """The RaggedShard layout of ``t``; ``None`` for a plain tensor (one process holds it whole)."""
-    t = _ragged_part(t)
+    t = ragged_part(t)
     return t._spec if isinstance(t, RaggedShardTensor) else None
 
 
@@ -181,8 +175,7 @@ def _on_fsdp_root(job: BlockJob, whole: RaggedShardTensor, root: int, compute: B
     local = DTensor.from_local(whole._local.view(whole._spec.shape), spec.mesh, spec.placements, run_check=False,
                                shape=spec.shape, stride=spec.stride)
     result = compute(job.param, local.full_tensor().reshape(-1), None).view(spec.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-    return result[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].reshape(-1)
+    return local_block(result, spec).reshape(-1)
 
 
 def _on_whole_global_tensor(job: BlockJob, compute: BlockCompute) -> Tensor:
@@ -192,10 +185,8 @@ def _on_whole_global_tensor(job: BlockJob, compute: BlockCompute) -> Tensor:
     ragged = RaggedShardTensor.from_local(job.piece, layout.mesh, layout.placement, layout.shape, layout.mesh_dim)
     whole = DTensor(ragged, spec, requires_grad=False).full_tensor()
     result = compute(job.param, whole.reshape(-1), None).view(spec.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-    block = result[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
     start, end = layout.local_range
-    return block.reshape(-1)[start:end]
+    return local_block(result, spec).reshape(-1)[start:end]
 
 
 def _wrap(piece: Tensor, layout: RaggedSpec, placement: RaggedShard) -> RaggedShardTensor:
@@ -272,6 +263,16 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     blocks_needed = "whole blocks"
     stateless_block_math = False  # True: _block_math keeps no per-parameter state (see run_on_whole_blocks)
+
+    def __init__(self, params: Any, defaults: dict) -> None:
+        super().__init__(params, defaults)
+        self._warned: set[int] = set()  # parameters already named in a gather warning
+
+    def _decoupled_step(self, p: Tensor, update: Tensor, step_size: float, group: dict) -> None:
+        """``p ← p·(1 − lr·weight_decay) − step_size·update`` on this rank's piece (AdamW-style decay)."""
+        piece = flat_piece(p)
+        piece.mul_(1 - group["lr"] * group["weight_decay"])
+        piece.add_(update, alpha=-step_size)
 
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         raise NotImplementedError

@@ -123,7 +123,6 @@ class Muon(BlockwiseOptimizer):
                         f"(fsdp_pass.optim.muon_param_groups splits a model's parameters)"
                     )
                 annotate_block(p, elements=p.numel())
-        self._warned: set[int] = set()
 
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         update = self._momentum_update(p, group)
@@ -133,9 +132,7 @@ class Muon(BlockwiseOptimizer):
         return _orthogonalize(piece, p.shape, group)
 
     def _apply(self, p: Tensor, ortho: Tensor, group: dict) -> None:
-        piece = flat_piece(p)
-        piece.mul_(1 - group["lr"] * group["weight_decay"])
-        piece.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        self._decoupled_step(p, ortho, adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape), group)
 
     def _momentum_update(self, p: Tensor, group: dict) -> Tensor:
         """Momentum (a buffer in the parameter's layout) and the Nesterov update, elementwise on the pieces."""

@@ -93,7 +93,6 @@ class Shampoo(BlockwiseOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 annotate_block(p, rows=panel_rows(p.shape, max_preconditioner_dim))
-        self._warned: set[int] = set()
 
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         state = self.state[p]
@@ -106,10 +105,9 @@ class Shampoo(BlockwiseOptimizer):
         state = self.state[p]
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(p.grad)
-        momentum, piece = flat_piece(state["momentum"]), flat_piece(p)
+        momentum = flat_piece(state["momentum"])
         momentum.lerp_(direction, 1 - group["betas"][0])
-        piece.mul_(1 - group["lr"] * group["weight_decay"])
-        piece.add_(momentum, alpha=-group["lr"])
+        self._decoupled_step(p, momentum, group["lr"], group)
 
     def _block_math(self, p: Tensor, piece: Tensor, layout: RaggedSpec | None, group: dict) -> Tensor:
         """The grafted Shampoo direction of the whole panels in ``piece`` (their state lives on this rank)."""

@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..placement import RaggedShard
 from ..planner import Layout
 from .mesh import ShardingMesh
-from .ragged_tensor import RaggedShardTensor
+from .ragged_tensor import RaggedShardTensor, ragged_part
 
 __all__ = ["DBuffer", "gather_bucket"]
 
@@ -135,7 +135,7 @@ class DBuffer:
             if p.requires_grad:
                 existing = p.grad
                 piece = self.local_piece(name, grad)
-                if existing is None or _piece_of(existing).data_ptr() != piece.data_ptr():
+                if existing is None or ragged_part(existing)._local.data_ptr() != piece.data_ptr():
                     p.grad = self.wrap(name, piece)
 
     def sync_grad_state(self) -> None:
@@ -194,11 +194,6 @@ class _GatherBucket(torch.autograd.Function):
         # Average over data-parallel ranks, like DDP and FSDP2.
         g = g / divisor
         return g.to(ctx.master_dtype), None
-
-
-def _piece_of(t: torch.Tensor) -> torch.Tensor:
-    """The 1-D piece inside a RaggedShard tensor (or a DTensor wrapping one)."""
-    return (t._local_tensor if isinstance(t, DTensor) else t)._local
 
 
 def gather_bucket(shard: torch.Tensor, config: tuple) -> torch.Tensor:

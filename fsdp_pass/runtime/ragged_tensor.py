@@ -30,13 +30,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..placement import RaggedShard, transfer_splits
 from . import checkpoint, collectives
 
-__all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor"]
+__all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor", "local_block", "ragged_part"]
 
 aten = torch.ops.aten
 
@@ -230,6 +231,17 @@ class RaggedShardTensor(torch.Tensor):
         if _pieces_are_fake(args, kwargs):
             return _run_on_full_shape_stand_ins(func, args, kwargs)
         raise _unsupported(func, args, kwargs)
+
+
+def ragged_part(t: torch.Tensor) -> torch.Tensor:
+    """What FSDP shards of ``t``: a tensor/expert-parallel DTensor's local tensor, else ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_block(full: torch.Tensor, spec) -> torch.Tensor:
+    """This rank's block of the global tensor ``full`` under a DTensor ``spec`` (a view, no copy)."""
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def distribute_tensor(

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..planner import Layout, TensorSpec, plan_buckets
 from .dbuffer import DBuffer
 from .mesh import ParallelMesh, ShardingMesh
-from .ragged_tensor import RaggedShardTensor
+from .ragged_tensor import RaggedShardTensor, ragged_part
 from .swap import check_swappable, swap_in_place
 
 __all__ = ["ShardingConfig", "bucket_of", "check_one_device", "is_sharded", "shard_parameters"]
@@ -57,12 +57,7 @@ def default_min_bucket_bytes(device_type: str) -> int:
 
 
 def is_sharded(p: torch.Tensor) -> bool:
-    return isinstance(_local_of(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
-
-
-def _local_of(p: torch.Tensor) -> torch.Tensor:
-    """What FSDP shards: a tensor/expert-parallel DTensor's local tensor, else the parameter itself."""
-    return p._local_tensor if isinstance(p, DTensor) else p
+    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
 
 
 def _block_for_placements(p: torch.Tensor, block: int) -> int:
@@ -110,7 +105,7 @@ def check_one_device(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
 def _check_parameter(name: str, p: torch.Tensor) -> None:
     if is_sharded(p):
         return
-    p = _local_of(p)
+    p = ragged_part(p)
     if isinstance(p, RaggedShardTensor):
         raise ValueError(f"parameter {name!r} is a RaggedShardTensor that no DBuffer owns; pass plain parameters")
     if not p.is_contiguous():
@@ -167,7 +162,7 @@ def shard_parameters(
         align = max(1, config.align_bytes // itemsize)
         specs = []
         for name, p in members:
-            local = _local_of(p)
+            local = ragged_part(p)
             block = block_sizes.get(name, 1)
             if local.numel() % block:
                 raise ValueError(
@@ -185,7 +180,7 @@ def shard_parameters(
 
     buffers: list[DBuffer] = []
     for layout, dtype, trainable, bucket_mesh, by_name in plans:
-        shapes = {n: _local_of(by_name[n]).shape for n in layout.names}
+        shapes = {n: ragged_part(by_name[n]).shape for n in layout.names}
         specs = {n: by_name[n]._spec for n in layout.names if isinstance(by_name[n], DTensor)}
         device = by_name[layout.names[0]].device
         if device.type == "meta":  # only the local shard is allocated; initialize_meta_parameters fills it
@@ -193,7 +188,7 @@ def shard_parameters(
         buf = DBuffer(layout, shapes, bucket_mesh, dtype, device, trainable, index=next(_bucket_ids), dtensor_specs=specs)
         for name in layout.names:
             if not by_name[name].is_meta:
-                buf.load_full(name, _local_of(by_name[name]))
+                buf.load_full(name, ragged_part(by_name[name]))
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
         if trainable:
@@ -214,7 +209,7 @@ def _merge_small_units(units: list, min_bytes: int, max_numel: int | None) -> li
     """Merge neighbouring units (same dtype and trainability) while either side is under ``min_bytes``."""
 
     def size(members) -> tuple[int, int]:
-        numel = sum(_local_of(p).numel() for _, p in members)
+        numel = sum(ragged_part(p).numel() for _, p in members)
         return numel, numel * members[0][1].element_size()
 
     merged: list = []
