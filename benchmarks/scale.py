@@ -47,7 +47,7 @@ except ImportError:
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from fsdp_pass.cli import fake_process_group  # noqa: E402
+from fsdp_pass.testing.fake_pg import fake_process_group  # noqa: E402
 from fsdp_pass.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
 from fsdp_pass.backend import shard_sites  # noqa: E402

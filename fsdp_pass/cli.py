@@ -10,13 +10,12 @@ backend on a fake process group, runs one forward and backward, and prints :func
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import re
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from .model_configs import MODELS, TinyTransformer, load_model
 from .runtime.dbuffer import DBuffer
 from .runtime.mesh import resolve_mesh
 from .runtime.sharding import ShardingConfig, shard_parameters, unit_key
+from .testing.fake_pg import fake_process_group
 
 __all__ = ["BucketStats", "PlanSummary", "block_elements", "main", "plan_model"]
 
@@ -36,20 +36,6 @@ BLOCK_POLICIES = {"element": 0, "row": 1, "16row": 16, "128row": 128}  # rows pe
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # fp32 states per parameter element
 OPTIMIZER_STATE_BYTES = 4
 PREFETCHED_BUCKETS = 2  # the bucket in use plus the next one, gathered ahead
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A single-process fake process group of ``world_size`` ranks (this process is rank 0)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized; plan in a fresh process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def block_elements(shape: Sequence[int], rows: int) -> int:
