@@ -50,7 +50,8 @@ except ImportError:
 
 from model_shapes import MODELS, QUOTED_PARAMS, distinct_units, representative_layer, total_params, unit_numel  # noqa: E402
 
-from fsdp_pass.planner import TensorSpec, fsdp2_shard0, naive_concat, plan, plan_buckets, rowwise_concat  # noqa: E402
+from baselines import fsdp2_shard0, naive_concat, rowwise_concat  # noqa: E402
+from fsdp_pass.planner import TensorSpec, plan, plan_buckets  # noqa: E402
 
 ALIGN = 8
 GRANULARITIES = (1, 16, 128)

@@ -9,8 +9,7 @@ traced once by ``torch.compile`` with a backend that only keeps Dynamo's graph. 
 depend on the world size. Then, for each world size, fresh meta parameters of the same shapes are put
 in the parameter slots, and the passes run as ``fsdp_pass.backend.vescale`` chains them:
 
-    find_parameters ─ shard_sites (block sizes, mesh roles, plan, DBuffers, swap)
-      ─ copy_dynamo_graph ─ rewrite_parameters
+    fsdp_pass.passes.pipeline.run_passes: detect ─ shard (mesh roles, blocks, plan, DBuffers, swap) ─ rewrite
 
 The passes allocate nothing but this rank's shard of each bucket (on the CPU). The rewritten graph is
 checked (one gather per bucket, no parameter placeholders left, ``graph.lint()``) and the per-rank memory
@@ -50,9 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from fsdp_pass.testing.fake_pg import fake_process_group  # noqa: E402
 from fsdp_pass.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
-from fsdp_pass.backend import shard_sites  # noqa: E402
-from fsdp_pass.passes.detect import find_parameters  # noqa: E402
-from fsdp_pass.passes.rewrite import copy_dynamo_graph, rewrite_parameters  # noqa: E402
+from fsdp_pass.passes.pipeline import run_passes  # noqa: E402
 from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket  # noqa: E402
 
 MODELS = ("llama3-70b", "deepseek-v3")
@@ -284,7 +281,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_passes(captured: Captured, options: dict) -> dict:
+def timed_passes(captured: Captured, options: dict) -> dict:
     """The backend's passes on ``captured`` under the current (fake) process group, timed and checked.
 
     Returns ``{"seconds", "checks", "memory", "rewritten", "sites"}``; ``checks`` are counted from
@@ -293,15 +290,9 @@ def run_passes(captured: Captured, options: dict) -> dict:
     opts = Options.from_dict(options)
     inputs = fresh_parameters(captured.example_inputs)
     rss = _rss_bytes()
-    t0 = time.perf_counter()
-    sites = find_parameters(captured.gm, inputs)
-    t1 = time.perf_counter()
-    buckets, new = shard_sites(sites, opts)
-    t2 = time.perf_counter()
-    rewritten = rewrite_parameters(copy_dynamo_graph(captured.gm), sites, buckets, opts.param_dtype,
-                                   opts.reduce_dtype)
-    t3 = time.perf_counter()
+    result = run_passes(captured.gm, inputs, opts)
     rss_growth = _rss_bytes() - rss
+    sites, new, rewritten = result.sites, result.sharded.new, result.rewritten
 
     graph = rewritten.gm.graph
     graph.lint()
@@ -320,7 +311,7 @@ def run_passes(captured: Captured, options: dict) -> dict:
         "graph_nodes": len(graph.nodes),
     }
     return {
-        "seconds": {"detect": t1 - t0, "shard": t2 - t1, "rewrite": t3 - t2, "passes": t3 - t0},
+        "seconds": {**result.seconds, "passes": sum(result.seconds.values())},
         "checks": checks,
         "memory": per_rank_memory(rewritten.buffers, opts.param_dtype),
         "host_rss_growth": rss_growth,
@@ -412,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{captured.seconds:.1f} s", flush=True)
         for world in args.worlds:
             with fake_process_group(world):
-                result = run_passes(captured, dict(options, mesh=init_device_mesh("cpu", (world,))))
+                result = timed_passes(captured, dict(options, mesh=init_device_mesh("cpu", (world,))))
                 del result["rewritten"], result["sites"]
             gc.collect()  # the sharded parameters and their DBuffers reference each other
             s, c, m = result["seconds"], result["checks"], result["memory"]

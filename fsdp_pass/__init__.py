@@ -6,9 +6,9 @@
 """
 
 from . import backend as _backend  # registers the "vescale" backend
+from .blocks import set_block
 from .explain import explain
 from .fully_shard import fully_shard
-from .runtime.annotations import set_block
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor

@@ -25,8 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from .explain import explain
 from .model_configs import MODELS, TinyTransformer, load_model
 from .runtime.dbuffer import DBuffer
-from .runtime.mesh import resolve_mesh
-from .runtime.sharding import ShardingConfig, shard_parameters, unit_key
+from .sharding.buckets import ShardingConfig, unit_key
+from .sharding.materialize import shard_parameters
+from .sharding.mesh_roles import resolve_mesh
 from .testing.fake_pg import fake_process_group
 
 __all__ = ["BucketStats", "PlanSummary", "block_elements", "main", "plan_model"]
@@ -304,7 +305,7 @@ def plan_model(
     ``tp``: tensor parallel ranks next to ``mesh_shape`` (Megatron column/row split of attention and
     MLP projections by name); ``ep``: expert parallel ranks taken from the shard ranks (stacked
     experts split on their first dim; per-expert modules dealt out, ``E/ep`` to each EP rank). Each parameter is then sharded over the ranks its split
-    leaves (:class:`~fsdp_pass.runtime.mesh.ParallelMesh`).
+    leaves (:class:`~fsdp_pass.sharding.mesh_roles.ParallelMesh`).
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:

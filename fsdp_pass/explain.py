@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .backend import records
 from .runtime.dbuffer import DBuffer
-from .runtime.sharding import bucket_of, is_sharded
+from .sharding.materialize import bucket_of, is_sharded
 
 __all__ = ["Explanation", "explain"]
 

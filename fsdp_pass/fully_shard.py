@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .passes.detect import block_size
-from .runtime.mesh import model_mesh_dims, resolve_mesh
-from .runtime.meta_init import initialize_meta_parameters, meta_parameter_owners
-from .runtime.sharding import ShardingConfig, check_one_device, shard_parameters
+from .blocks import block_size
+from .sharding.buckets import ShardingConfig, check_one_device
+from .sharding.materialize import shard_parameters
+from .sharding.meta_init import initialize_meta_parameters, meta_parameter_owners
+from .sharding.mesh_roles import model_mesh_dims, resolve_mesh
 
 __all__ = ["fully_shard"]
 

@@ -27,16 +27,7 @@ from typing import Iterable, Sequence
 
 from .placement import RaggedShard
 
-__all__ = [
-    "BaselineLayout",
-    "Layout",
-    "TensorSpec",
-    "fsdp2_shard0",
-    "naive_concat",
-    "plan",
-    "plan_buckets",
-    "rowwise_concat",
-]
+__all__ = ["Layout", "TensorSpec", "count_cut_blocks", "plan", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -175,7 +166,7 @@ class Layout:
             assert lo % a == 0, f"{s.name} starts at {lo}, not a multiple of align={a}"
             assert lo >= cursor, f"{s.name} at [{lo}, {hi}) overlaps the previous tensor ending at {cursor}"
             assert hi <= m * S, f"{s.name} ends at {hi}, past the buffer of {m} x {S}"
-            assert not _cut_blocks(lo, s.numel, s.block, S), f"{s.name} has a block cut by a rank boundary"
+            assert not count_cut_blocks(lo, s.numel, s.block, S), f"{s.name} has a block cut by a rank boundary"
             cursor = hi
         assert sum(self.placement(s.name).numel for s in self.specs) == self.numel
 
@@ -192,7 +183,7 @@ def _round_up(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def _cut_blocks(start: int, numel: int, block: int, shard_size: int) -> int:
+def count_cut_blocks(start: int, numel: int, block: int, shard_size: int) -> int:
     """How many rank boundaries fall strictly inside ``[start, start+numel)`` off a block boundary."""
     if numel == 0 or shard_size == 0:
         return 0
@@ -208,32 +199,6 @@ def _cut_blocks(start: int, numel: int, block: int, shard_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # The planner
 # ---------------------------------------------------------------------------------------------
-
-
-def _earliest_start(cursor: int, numel: int, block: int, step: int, S: int, m: int) -> int | None:
-    """Smallest valid start >= cursor for a tensor of ``numel`` elements, or None if none fits.
-
-    ``step`` is lcm(block, align): a start that crosses boundary ``B`` must satisfy
-    ``start ≡ B (mod block)`` and ``start ≡ 0 (mod align)``; since ``B ≡ 0 (mod align)`` that is
-    ``start ≡ B (mod step)``. (``_place`` inlines this; it is kept as the readable reference.)
-    """
-    end_of_buffer = m * S
-    if numel == 0:
-        return cursor if cursor <= end_of_buffer else None
-    whole_shards_ok = S % block == 0
-    if not whole_shards_ok and numel > 2 * S:
-        return None  # it would contain a whole shard, which needs S to be a multiple of its block
-    k = cursor // S
-    while k < m:
-        lo = max(cursor, k * S)
-        boundary = (k + 1) * S
-        if lo + numel <= boundary:
-            return lo
-        start = lo + (boundary - lo) % step
-        if start < boundary and (start + numel <= boundary + S or whole_shards_ok):
-            return start if start + numel <= end_of_buffer else None
-        k += 1
-    return None
 
 
 def _place(specs: Sequence[TensorSpec], S: int, m: int, align: int) -> dict[str, int] | None:
@@ -575,58 +540,3 @@ def _chunk(group: list[TensorSpec], limit: int | None) -> list[list[TensorSpec]]
         out[-1].append(s)
         size += s.numel
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Baselines, for comparison in benchmarks
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BaselineLayout:
-    """Size figures of a baseline sharding of one bucket."""
-
-    name: str
-    world_size: int
-    shard_size: int  # elements per rank (the largest rank, where ranks differ)
-    numel: int
-    blocks_cut: int  # rank boundaries that fall inside a block
-
-    @property
-    def padding(self) -> int:
-        return self.world_size * self.shard_size - self.numel
-
-
-def naive_concat(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> BaselineLayout:
-    """Concatenate in order, split evenly (``S = ceil(E / m)``): no padding between tensors, blocks cut freely."""
-    total = sum(s.numel for s in specs)
-    S = _round_up(-(-total // world_size), align)
-    cut, cursor = 0, 0
-    for s in specs:
-        cut += _cut_blocks(cursor, s.numel, s.block, S)
-        cursor += s.numel
-    return BaselineLayout("naive_concat", world_size, S, total, cut)
-
-
-def fsdp2_shard0(specs: Sequence[TensorSpec], world_size: int) -> BaselineLayout:
-    """FSDP2's per-parameter ``Shard(0)``: dim 0 padded to ``m * ceil(d0 / m)`` rows, per parameter."""
-    S, cut = 0, 0
-    for s in specs:
-        rows = s.numel // s.row if s.numel else 0
-        chunk_rows = -(-rows // world_size)
-        S += chunk_rows * s.row
-        if s.numel and chunk_rows:
-            cut += _cut_blocks(0, rows * s.row, s.block, chunk_rows * s.row)
-    return BaselineLayout("fsdp2_shard0", world_size, S, sum(s.numel for s in specs), cut)
-
-
-def rowwise_concat(specs: Sequence[TensorSpec], world_size: int, align: int = 8) -> BaselineLayout:
-    """Megatron-FSDP style: tensors in the given order, rank boundaries only on row boundaries.
-
-    Planned with each tensor's block set to its row (no permutation), so larger structure
-    (a block of many rows) may still be cut.
-    """
-    rows = [TensorSpec(s.name, s.numel, s.row if s.numel else 1, s.shape) for s in specs]
-    S, offsets = _smallest_shard(rows, world_size, align)
-    cut = sum(_cut_blocks(offsets[s.name], s.numel, s.block, S) for s in specs)
-    return BaselineLayout("rowwise_concat", world_size, S, sum(s.numel for s in specs), cut)

@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass.cli import block_elements, main, plan_model
 from fsdp_pass.testing.fake_pg import fake_process_group
 from fsdp_pass.model_configs import build_meta_model, load_model, total_params
-from fsdp_pass.runtime.mesh import resolve_mesh
-from fsdp_pass.runtime.sharding import ShardingConfig, shard_parameters
+from fsdp_pass.sharding.buckets import ShardingConfig
+from fsdp_pass.sharding.materialize import shard_parameters
+from fsdp_pass.sharding.mesh_roles import resolve_mesh
 
 
 class Tiny(nn.Module):

@@ -18,7 +18,7 @@ import torch.nn as nn
 import fsdp_pass
 from dist_harness import run_distributed
 from fsdp_pass.runtime.ragged_tensor import ragged_part
-from fsdp_pass.runtime.sharding import is_sharded
+from fsdp_pass.sharding.materialize import is_sharded
 from models import Llama, LlamaConfig, init_std, lm_loss
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 8
@@ -177,14 +177,14 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
     # Communication per step is what the composed layout predicts.
     record = next(r for r in fsdp_pass.backend.records() if r.buffers)
     forward, backward = _collectives(record.modules["forward"]), _collectives(record.modules["backward"])
-    fsdp = {b.config(b.dtype, b.dtype)[3]: b for b in buffers}
+    fsdp = {b.config(b.dtype, b.dtype).shard_group: b for b in buffers}
     gathers = [(g, n) for op, g, n in forward if op == "all_gather_into_tensor" and g in fsdp]
-    expected = sorted((b.config(b.dtype, b.dtype)[3], b.layout.shard_size * b.mesh.shard_size * 4)
+    expected = sorted((b.config(b.dtype, b.dtype).shard_group, b.layout.shard_size * b.mesh.shard_size * 4)
                       for b in buffers if b.mesh.shard_size > 1)
     assert sorted(gathers) == expected
     scatters = [(g, n) for op, g, n in backward if op == "reduce_scatter_tensor" and g in fsdp]
     assert sorted(scatters) == sorted((g, b.layout.shard_size * 4) for g, b in (
-        (b.config(b.dtype, b.dtype)[3], b) for b in buffers if b.mesh.shard_size > 1))
+        (b.config(b.dtype, b.dtype).shard_group, b) for b in buffers if b.mesh.shard_size > 1))
     model_ops = sorted((op, n) for op, g, n in forward if g not in fsdp)
     local_batch = GLOBAL_BATCH // data_parallel
     activation = local_batch * SEQ * cfg.dim * 4

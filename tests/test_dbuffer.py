@@ -17,7 +17,8 @@ from dist_harness import run_distributed
 from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
-from fsdp_pass.runtime.sharding import ShardingConfig, shard_parameters
+from fsdp_pass.sharding.buckets import ShardingConfig
+from fsdp_pass.sharding.materialize import shard_parameters
 
 # Odd sizes so that pieces are uneven, some ranks hold nothing of a tensor, and the 16-byte
 # alignment puts padding between tensors; two block sizes so the planner has blocks to respect.
@@ -68,7 +69,7 @@ def _expected_shard_grad(buf: DBuffer, dp_world: int) -> torch.Tensor:
 
 def _backward_known_grads(buf: DBuffer, dp_rank: int) -> None:
     """Gather the bucket with autograd, then backpropagate a loss whose gradient per view is known."""
-    global_buffer = gather_bucket(buf.shard, buf.config(buf.dtype, buf.dtype))
+    global_buffer = gather_bucket(buf.shard, **buf.config(buf.dtype, buf.dtype)._asdict())
     loss = sum((view * _known_grad(name, dp_rank)).sum() for name, view in buf.views(global_buffer).items())
     loss.backward()
 
@@ -211,7 +212,7 @@ def _check_backward_copies_are_the_known_ones(mesh: ShardingMesh, dp_rank: int) 
         "_GatherBucketBackward > aten::div > aten::to > aten::_to_copy > aten::copy_",
     ]
     for buf in buffers:
-        views = buf.views(gather_bucket(buf.shard, buf.config(buf.dtype, buf.dtype)))
+        views = buf.views(gather_bucket(buf.shard, **buf.config(buf.dtype, buf.dtype)._asdict()))
         known = [_known_grad(name, dp_rank) for name in views]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             torch.autograd.backward(list(views.values()), known)

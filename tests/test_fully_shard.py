@@ -18,7 +18,8 @@ from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.runtime.dbuffer import DBuffer
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
-from fsdp_pass.runtime.sharding import ShardingConfig, bucket_of, is_sharded, shard_parameters
+from fsdp_pass.sharding.buckets import ShardingConfig
+from fsdp_pass.sharding.materialize import bucket_of, is_sharded, shard_parameters
 from models import MLP, Llama, LlamaConfig
 
 

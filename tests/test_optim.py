@@ -33,7 +33,7 @@ from fsdp_pass.optim.blockwise import respects_blocks
 from fsdp_pass.optim.dynamic_code import dequantize_blockwise, dynamic_code, quantize_blockwise
 from fsdp_pass.optim.muon import zeropower_via_newtonschulz
 from fsdp_pass.optim.shampoo import inverse_fourth_root, panel_rows
-from fsdp_pass.passes.detect import block_size
+from fsdp_pass.blocks import block_size
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
 
 STEPS = 10

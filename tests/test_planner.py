@@ -1,15 +1,20 @@
-"""The structure-aware planner: constraints, optimality against brute force, buckets, baselines."""
+"""The structure-aware planner: constraints, optimality against brute force, buckets; the benchmarks' baselines."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp_pass.planner import Layout, TensorSpec, fsdp2_shard0, naive_concat, plan, plan_buckets, rowwise_concat
+from fsdp_pass.planner import Layout, TensorSpec, plan, plan_buckets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from baselines import fsdp2_shard0, naive_concat, rowwise_concat  # noqa: E402  (the comparison baselines)
 
 TOY = [TensorSpec("t1", 12, 4), TensorSpec("t2", 10, 2), TensorSpec("t3", 6, 3), TensorSpec("t4", 3, 1)]
 

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..placement import RaggedShard
 from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
-from .blockwise import BlockJob, BlockwiseOptimizer, annotate_block, flat_piece, gradient_layout
+from ..blocks import annotate_block
+from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 from .dynamic_code import block_count, dequantize_blockwise, dynamic_code, quantize_blockwise
 
 __all__ = ["AdamW8bit"]

@@ -29,14 +29,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..runtime.annotations import set_block
 from ..placement import RaggedShard
 from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, ragged_part
 
 __all__ = [
     "BlockJob",
     "BlockwiseOptimizer",
-    "annotate_block",
     "flat_piece",
     "gradient_layout",
     "layout_of",
@@ -71,17 +69,6 @@ def gradient_layout(param: Tensor) -> RaggedSpec | None:
             f"give the gradient its parameter's placement"
         )
     return layout
-
-
-def annotate_block(param: Tensor, *, rows: int | None = None, elements: int | None = None) -> None:
-    """``set_block`` on a parameter that is not sharded yet, so a later shard keeps the block whole.
-
-    An already sharded parameter keeps its layout (blocks cut by it are handled by gathering), and
-    so does a tensor/expert-parallel one: its blocks are counted in the global tensor, which its
-    DTensor placement already cuts.
-    """
-    if param.numel() and not isinstance(param, (RaggedShardTensor, DTensor)):
-        set_block(param, rows=rows, elements=elements)
 
 
 def respects_blocks(layout: RaggedSpec | None, block: int) -> bool:

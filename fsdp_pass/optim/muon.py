@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .blockwise import BlockJob, BlockwiseOptimizer, annotate_block, flat_piece, gradient_layout
+from ..blocks import annotate_block
+from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 
 __all__ = ["Muon", "muon_param_groups", "zeropower_via_newtonschulz"]
 

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from ..runtime.ragged_tensor import RaggedSpec
-from .blockwise import BlockJob, BlockwiseOptimizer, annotate_block, flat_piece, gradient_layout
+from ..blocks import annotate_block
+from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 
 __all__ = ["Shampoo", "matrix_shape", "panel_rows"]
 

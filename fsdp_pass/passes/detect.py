@@ -1,14 +1,13 @@
-"""Pass 1: find the parameters in a Dynamo graph and the block structure each one needs.
+"""Pass 1: find the parameters in a Dynamo graph and the block structure the graph asks of each.
 
 Dynamo lifts module parameters to graph placeholders, in first-use order; the backend's example
 inputs at those positions are the real ``nn.Parameter`` objects, and each placeholder carries its
 source (``L['self']._modules['layers']._modules['0']._parameters['weight']``), which gives the
 fully qualified name.
 
-A parameter's *block* (elements that no rank boundary may cut) is the LCM of what four sources ask:
+Graph patterns that ask for blocks (rows no rank boundary may cut; :mod:`fsdp_pass.blocks` combines
+them with annotations and options):
 
-* an annotation on the parameter (:func:`set_block`);
-* ``options["block_sizes"]``: ``{fnmatch pattern on the FQN: rows}`` or ``{pattern: {"elements": n}}``;
 * a reshape that splits dim 0 into ``(blocks, b, ...)`` (block-wise quantization) → ``b`` rows;
 * ``split``/``chunk``/``unbind`` of the parameter along dim 0 (fused QKV, fused experts) → each piece
   starts on a block boundary: the GCD of the piece sizes, in rows;
@@ -18,20 +17,18 @@ A parameter's *block* (elements that no rank boundary may cut) is the LCM of wha
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from ..quant import BLOCK_QUANTIZE_OPS  # importing registers the ops
-from ..runtime.annotations import annotated_block
 
-__all__ = ["ParamSite", "block_size", "block_sizes", "find_parameters"]
+__all__ = ["ParamSite", "find_parameters", "graph_block_rows"]
 
 
 
@@ -88,44 +85,6 @@ def _reject_in_place_writes(site: ParamSite) -> None:
             )
 
 
-def block_sizes(sites: Sequence[ParamSite], options_blocks: Mapping[str, Any] | None = None) -> dict[str, int]:
-    """Block size in elements for every parameter site (1 = element-wise, no structure found)."""
-    return {s.name: block_size(s.name, s.param, options_blocks, s.node) for s in sites}
-
-
-def block_size(
-    name: str, param: torch.Tensor, options_blocks: Mapping[str, Any] | None = None, node: fx.Node | None = None
-) -> int:
-    """The LCM of the blocks the annotation, the options and (given a graph node) the graph ask for."""
-    shape = tuple(param.shape)
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    block = annotated_block(param)
-    for pattern, value in (options_blocks or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            block = math.lcm(block, _override_elements(name, shape, row, value))
-    for rows in _graph_block_rows(node, shape) if node is not None else ():
-        block = math.lcm(block, rows * row)
-    if param.numel() and param.numel() % block:
-        raise ValueError(
-            f"parameter {name!r} of shape {shape}: its block structures combine to {block} elements, "
-            f"which does not divide its {param.numel()} elements; fix options['block_sizes'] or the annotation"
-        )
-    return block
-
-
-def _override_elements(name: str, shape: tuple[int, ...], row: int, value: Any) -> int:
-    if isinstance(value, Mapping) and set(value) == {"elements"}:
-        return int(value["elements"])
-    if isinstance(value, Mapping) and set(value) == {"rows"}:
-        return int(value["rows"]) * row
-    if isinstance(value, int):
-        return value * row
-    raise ValueError(
-        f"options['block_sizes'] entry for {name!r} is {value!r}; give rows as an int, "
-        f"{{'rows': n}} or {{'elements': n}}"
-    )
-
-
 def _shape_of(node: fx.Node) -> tuple[int, ...] | None:
     value = node.meta.get("example_value")
     if isinstance(value, torch.Tensor):
@@ -136,8 +95,9 @@ def _shape_of(node: fx.Node) -> tuple[int, ...] | None:
     return None
 
 
-def _graph_block_rows(node: fx.Node, shape: tuple[int, ...]) -> list[int]:
+def graph_block_rows(site: ParamSite) -> list[int]:
     """Row blocks implied by how the graph uses this parameter (see the module docstring)."""
+    node, shape = site.node, tuple(site.param.shape)
     if not shape:
         return []
     rows = shape[0]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,7 +49,8 @@ def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _as_dtensor(spec: DTensorSpec):
-    """A graph-callable that rebuilds a parameter's DTensor (spec held in a closure: FX can name a function, not a mesh)."""
+    """A graph-callable that rebuilds a parameter's DTensor around its gathered local view
+    (see [Note: FSDP over TP/EP]; the spec is held in a closure: FX can name a function, not a mesh)."""
 
     def as_dtensor(local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
@@ -61,7 +62,7 @@ def _as_dtensor(spec: DTensorSpec):
 def rewrite_parameters(
     gm: fx.GraphModule,
     sites: Sequence[ParamSite],
-    buckets: dict[str, tuple[DBuffer, str]],
+    buckets: Mapping[str, tuple[DBuffer, str]],
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
 ) -> Rewritten:
@@ -91,7 +92,7 @@ def rewrite_parameters(
         new_inputs.append(buf)
         config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype)
         with graph.inserting_before(min(users, key=order.__getitem__)):
-            full = graph.call_function(gather_bucket, (shard, config))
+            full = graph.call_function(gather_bucket, (shard,), config._asdict())
             pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))
             index_of = {name: i for i, (name, _) in enumerate(buf.layout.segments()) if name is not None}
             for site in members:

@@ -1,28 +1,42 @@
 """Pass 2: give every parameter of the graph a bucket, sharding the ones not sharded yet.
 
-Parameters not yet sharded are planned into buckets (first-use order, grouped by module unit) and
-swapped in place into RaggedShard parameters. Parameters already sharded (an earlier graph, a
-recompile, a graph break, ``fully_shard``) keep their layout.
+The user's mesh gets its roles (:mod:`fsdp_pass.sharding.mesh_roles`), every parameter its block
+(:mod:`fsdp_pass.blocks`, with the rows the graph asks for), then parameters not sharded yet are
+planned into buckets (first-use order, grouped by module unit; :mod:`fsdp_pass.sharding.buckets`)
+and swapped in place into RaggedShard parameters (:mod:`fsdp_pass.sharding.materialize`).
+Parameters already sharded (an earlier graph, a recompile, a graph break, ``fully_shard``) keep
+their layout.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
+from ..blocks import block_size
+from ..options import Options
 from ..runtime.dbuffer import DBuffer
-from ..runtime.mesh import ShardingMesh
-from ..runtime.sharding import ShardingConfig, bucket_of, shard_parameters
-from .detect import ParamSite
+from ..sharding.buckets import ShardingConfig
+from ..sharding.materialize import bucket_of, shard_parameters
+from ..sharding.mesh_roles import model_mesh_dims, resolve_mesh
+from .detect import ParamSite, graph_block_rows
 
-__all__ = ["assign_buckets"]
+__all__ = ["Sharded", "shard_sites"]
 
 
-def assign_buckets(
-    sites: Sequence[ParamSite],
-    blocks: Mapping[str, int],
-    mesh: ShardingMesh,
-    config: ShardingConfig,
-) -> tuple[dict[str, tuple[DBuffer, str]], list[DBuffer]]:
-    """Return ``{fqn: (DBuffer, name in that buffer)}`` for every site, and the DBuffers made now."""
-    new = shard_parameters(((s.name, s.param) for s in sites), mesh, config, blocks)
-    return {s.name: bucket_of(s.param) for s in sites}, new
+@dataclass
+class Sharded:
+    """What pass 2 gives the rewrite pass."""
+
+    buckets: dict[str, tuple[DBuffer, str]]  # every site's FQN → (its DBuffer, its name in that buffer)
+    new: list[DBuffer]  # the DBuffers this call made (parameters sharded now)
+
+
+def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
+    """Pass 2 with the backend's options."""
+    named = [(s.name, s.param) for s in sites]
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
+    blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
+    new = shard_parameters(named, mesh, config, blocks)
+    return Sharded({s.name: bucket_of(s.param) for s in sites}, new)

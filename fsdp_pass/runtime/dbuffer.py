@@ -12,6 +12,8 @@ contiguous slice of that global buffer (the planner's layout). So:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -23,9 +25,21 @@ from ..planner import Layout
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "gather_bucket"]
+__all__ = ["DBuffer", "GatherConfig", "gather_bucket"]
 
 _c10d = torch.ops._c10d_functional
+
+
+class GatherConfig(NamedTuple):
+    """The static arguments of one bucket's :func:`gather_bucket` (constants in the rewritten graph)."""
+
+    param_dtype: torch.dtype  # the shard is cast to this before the all-gather (compute dtype)
+    reduce_dtype: torch.dtype  # gradients are reduce-scattered in this dtype
+    shard_world: int  # ranks the bucket is sharded over
+    shard_group: str | None  # their process group's name (None when shard_world == 1)
+    replicate_world: int  # HSDP replicas the gradient is all-reduced over (1: none)
+    replicate_group: str | None  # their process group's name (None when replicate_world == 1)
+    grad_divisor: int  # the reduced gradient is divided by this: the data-parallel degree
 
 
 class DBuffer:
@@ -157,15 +171,15 @@ class DBuffer:
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
-        return gather_bucket(self.shard.detach(), self.config(dtype or self.dtype, self.dtype))
+        return gather_bucket(self.shard.detach(), **self.config(dtype or self.dtype, self.dtype)._asdict())
 
-    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> tuple:
-        """The static arguments of :func:`gather_bucket` for this bucket (graph constants)."""
+    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> GatherConfig:
+        """The static arguments of :func:`gather_bucket` for this bucket."""
         m = self.mesh
         shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
-        return (param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group, m.divisor)
+        return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group, m.divisor)
 
     def __repr__(self) -> str:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
@@ -175,28 +189,43 @@ class _GatherBucket(torch.autograd.Function):
     """AllGather the bucket shard (forward); ReduceScatter (+ AllReduce for HSDP) its gradient (backward)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, config: tuple) -> torch.Tensor:
-        param_dtype, reduce_dtype, shard_world, shard_group, rep_world, rep_group, _ = config
+    def forward(ctx, shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
         ctx.config, ctx.master_dtype = config, shard.dtype
-        x = shard.to(param_dtype)
-        if shard_world == 1:
+        x = shard.to(config.param_dtype)
+        if config.shard_world == 1:
             return x.clone() if x is shard else x
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, shard_world, shard_group))
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        _, reduce_dtype, shard_world, shard_group, rep_world, rep_group, divisor = ctx.config
-        g = grad.to(reduce_dtype)
-        if shard_world > 1:
-            g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", shard_world, shard_group))
-        if rep_world > 1:
-            g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", rep_group))
+        config: GatherConfig = ctx.config
+        g = grad.to(config.reduce_dtype)
+        if config.shard_world > 1:
+            g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
+                                                              config.shard_group))
+        if config.replicate_world > 1:
+            g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", config.replicate_group))
         # Average over data-parallel ranks, like DDP and FSDP2.
-        g = g / divisor
+        g = g / config.grad_divisor
         return g.to(ctx.master_dtype), None
 
 
-def gather_bucket(shard: torch.Tensor, config: tuple) -> torch.Tensor:
-    """Graph-callable entry point (a plain function, so FX code generation can name it)."""
-    return _GatherBucket.apply(shard, config)
+def gather_bucket(
+    shard: torch.Tensor,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    shard_world: int,
+    shard_group: str | None,
+    replicate_world: int,
+    replicate_group: str | None,
+    grad_divisor: int,
+) -> torch.Tensor:
+    """Graph-callable entry point (a plain function, so FX code generation can name it).
 
+    The keyword arguments are the fields of :class:`GatherConfig`; as keywords, a rewritten graph
+    reads by itself (``gather_bucket(bucket0_shard, param_dtype=torch.float32, ..., shard_world=2, ...)``).
+    """
+    config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
+                          grad_divisor)
+    return _GatherBucket.apply(shard, config)

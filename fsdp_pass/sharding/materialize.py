@@ -1,0 +1,115 @@
+"""Turn bucket plans into DBuffers and swap each parameter, in place, into a RaggedShard parameter.
+
+Parameter objects keep their identity (:mod:`fsdp_pass.sharding.swap`), so optimizers built
+earlier keep working. Shared by ``fully_shard`` and the backend's shard pass.
+
+[Note: FSDP over TP/EP]
+A tensor- or expert-parallel parameter is a DTensor on its own mesh dims. It stays that DTensor
+(mesh, placements, global shape unchanged); only its *local tensor* becomes a RaggedShard piece,
+sharded over the mesh dims its placements do not use (:meth:`ParallelMesh.for_parameter`). So
+the order is "TP/EP first, then FSDP": the bucket holds local tensors, the rewritten graph
+rebuilds each DTensor around its gathered local view (``DTensor.from_local``), and the model's
+own TP/EP collectives run unchanged. Code that needs "what FSDP shards" of a parameter calls
+:func:`~fsdp_pass.runtime.ragged_tensor.ragged_part`. For checkpoints the piece also records its
+local block's global offset and the global shape, so DCP writes global boxes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..runtime.dbuffer import DBuffer
+from ..runtime.mesh import ShardingMesh
+from ..runtime.ragged_tensor import RaggedShardTensor, ragged_part
+from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
+from .mesh_roles import ParallelMesh
+from .swap import check_swappable, swap_in_place
+
+__all__ = ["bucket_of", "is_sharded", "materialize", "shard_parameters"]
+
+_BUCKET_ATTR = "_fsdp_pass_bucket"
+_bucket_ids = itertools.count()  # names buckets uniquely in graphs and logs
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+
+
+def bucket_of(p: torch.Tensor) -> tuple[DBuffer, str]:
+    """The DBuffer holding a sharded parameter, and the parameter's name in it."""
+    return getattr(p, _BUCKET_ATTR)
+
+
+def shard_parameters(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    mesh: ShardingMesh | ParallelMesh,
+    config: ShardingConfig = ShardingConfig(),
+    block_sizes: Mapping[str, int] | None = None,
+) -> list[DBuffer]:
+    """Plan buckets for the parameters (in the given order) and swap each into a RaggedShard parameter.
+
+    Parameters already sharded are skipped (their DBuffer is kept). A parameter object listed twice
+    (tied weights) is sharded once. Returns the new DBuffers. A tensor/expert-parallel DTensor
+    parameter stays a DTensor (see [Note: FSDP over TP/EP]).
+    """
+    seen: set[int] = set()
+    todo: list[tuple[str, nn.Parameter]] = []
+    for name, p in named_params:
+        if is_sharded(p):
+            continue
+        check_parameter(name, p)
+        if id(p) not in seen:
+            seen.add(id(p))
+            todo.append((name, p))
+    plans = plan_parameter_buckets(todo, mesh, config, dict(block_sizes or {}))
+    for name, p in todo:  # every check before the first swap: an error must never leave a module half sharded
+        if not isinstance(p, DTensor):
+            check_swappable(p, f"parameter {name!r}")
+    return materialize(plans, mesh.device_type)
+
+
+def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
+    """Allocate one DBuffer per plan, fill it from the parameters' values and swap the parameters in."""
+    buffers: list[DBuffer] = []
+    for plan in plans:
+        layout, by_name = plan.layout, plan.params
+        shapes = {n: ragged_part(by_name[n]).shape for n in layout.names}
+        specs = {n: by_name[n]._spec for n in layout.names if isinstance(by_name[n], DTensor)}
+        device = by_name[layout.names[0]].device
+        if device.type == "meta":  # only the local shard is allocated; meta_init fills it
+            device = torch.device(device_type)
+        buf = DBuffer(layout, shapes, plan.mesh, plan.dtype, device, plan.trainable, index=next(_bucket_ids),
+                      dtensor_specs=specs)
+        for name in layout.names:
+            if not by_name[name].is_meta:
+                buf.load_full(name, ragged_part(by_name[name]))
+        for name in layout.names:
+            _swap_into_bucket(buf, name, by_name[name])
+        if plan.trainable:
+            # The hook lives in C++ on the shard, out of the garbage collector's sight: a strong
+            # reference to the buffer there would keep the whole model alive forever.
+            buf.shard.register_post_accumulate_grad_hook(lambda _, ref=weakref.ref(buf): _attach_grads(ref))
+        buffers.append(buf)
+    return buffers
+
+
+def _attach_grads(ref: weakref.ref) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.attach_grads()
+
+
+def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
+    if isinstance(p, DTensor):  # see [Note: FSDP over TP/EP]
+        p._local_tensor = buf.ragged(name, buf.local_piece(name))
+    else:
+        sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
+        swap_in_place(p, sharded)
+    setattr(p, _BUCKET_ATTR, (buf, name))
+    buf.params[name] = p

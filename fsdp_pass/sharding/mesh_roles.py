@@ -1,0 +1,202 @@
+"""Roles of a mesh's dims: which ranks each parameter is sharded over (setup time).
+
+A plain 1-D or 2-D mesh gives one :class:`~fsdp_pass.runtime.mesh.ShardingMesh` for every
+parameter. A named mesh that also carries the model's own parallelism (tensor or expert parallel
+DTensor parameters) is a :class:`ParallelMesh`: each parameter is sharded over the mesh dims its
+DTensor placements do not use (its "FSDP dims"), so the order is "TP/EP first, then FSDP"
+(see [Note: FSDP over TP/EP] in :mod:`fsdp_pass.sharding.materialize`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ..runtime.mesh import ShardingMesh
+
+__all__ = ["ParallelMesh", "model_mesh_dims", "resolve_mesh"]
+
+
+def model_mesh_dims(params: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+    """Names of the mesh dims the model's own DTensor parameters are placed on (TP, EP), in first-seen order."""
+    names: list[str] = []
+    for name, p in params:
+        if isinstance(p, DTensor):
+            dims = p.device_mesh.mesh_dim_names
+            if not dims:
+                raise ValueError(
+                    f"parameter {name!r} is a DTensor on a mesh without dim names ({p.device_mesh}); build the "
+                    f"mesh with mesh_dim_names and slice the TP/EP mesh from it (mesh['tp'])"
+                )
+            names += [d for d in dims if d not in names]
+    return tuple(names)
+
+
+def resolve_mesh(
+    mesh: DeviceMesh | None,
+    shard_dim: int | str | Sequence[str] | None = None,
+    argument: str = "options['mesh']",
+    *,
+    replicate_dim: int | str | None = None,
+    model_dims: Sequence[str] = (),
+) -> "ShardingMesh | ParallelMesh":
+    """Validate the user's mesh, defaulting to all ranks of the default process group.
+
+    ``mesh=None`` means every rank of the default group (one process without a group).
+    A 2-D mesh is read as ``(replicate, shard)`` unless ``shard_dim`` says otherwise.
+    ``argument`` is how error messages name the mesh (the backend option, or ``fully_shard``'s argument).
+    With ``model_dims`` (the dims of the model's DTensor parameters, :func:`model_mesh_dims`), dims
+    given by name, or more than two dims, the result is a :class:`ParallelMesh`.
+    """
+    if model_dims or replicate_dim is not None or isinstance(shard_dim, (str, tuple, list)) or (
+        mesh is not None and isinstance(mesh, DeviceMesh) and mesh.ndim > 2
+    ):
+        return ParallelMesh.resolve(mesh, shard_dim, replicate_dim, tuple(model_dims), argument)
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            return ShardingMesh(None, 0)
+        backend = dist.get_backend()
+        device = "cuda" if backend == "nccl" else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"{argument} has {mesh.ndim} dims {tuple(mesh.shape)}; give a 1-D mesh (FSDP) or a 2-D "
+            f"(replicate, shard) mesh (HSDP)"
+        )
+    if shard_dim is None:
+        shard_dim = mesh.ndim - 1
+    if not 0 <= shard_dim < mesh.ndim:
+        raise ValueError(f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}")
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"{argument} covers {mesh.size()} ranks but the default process group has "
+            f"{dist.get_world_size()}; build the mesh over all ranks (init_device_mesh(device, shape) with "
+            f"prod(shape) == world size)"
+        )
+    return ShardingMesh(mesh, shard_dim)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """A named mesh whose dims have roles: FSDP ``shard_dims``, an HSDP ``replicate_dim``, and the rest.
+
+    The rest are the model's own parallel dims (tensor parallel): the batch is not split over
+    them. Expert parallelism splits the batch, so an EP dim is listed in ``shard_dims``: plain
+    parameters are sharded over it like any FSDP dim, and experts (DTensors on it) are sharded over
+    the remaining FSDP dims.
+    """
+
+    root: DeviceMesh
+    shard_dims: tuple[str, ...]
+    replicate_dim: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.root.mesh_dim_names)
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    def size(self, name: str) -> int:
+        return self.root.size(self.names.index(name))
+
+    def for_parameter(self, name: str, p: torch.Tensor) -> ShardingMesh:
+        """Shard over every dim but the replicate dim and the dims ``p``'s own DTensor placements use."""
+        own = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        if own:
+            _check_placements(name, p, self)
+        dims = tuple(n for n in self.names if n != self.replicate_dim and n not in own)
+        data_parallel = set(self.shard_dims) | ({self.replicate_dim} if self.replicate_dim else set())
+        divisor = math.prod(self.size(n) for n in data_parallel) * math.prod(
+            self.size(n) for n in dims if n not in data_parallel
+        )
+        if not dims:  # nothing left to shard over: a one-rank "shard" group
+            return ShardingMesh(None, 0, divisor) if self.replicate_dim is None else ShardingMesh(
+                self.root[self.replicate_dim], 0, divisor)
+        shard_name = dims[0] if len(dims) == 1 else "_".join(dims)
+        shard_mesh = self.root[shard_name] if len(dims) == 1 else self.root[dims]._flatten(shard_name)
+        if self.replicate_dim is None:
+            return ShardingMesh(shard_mesh, 0, divisor)
+        return ShardingMesh(self.root[(self.replicate_dim, shard_name)], 1, divisor)
+
+    @staticmethod
+    def resolve(mesh, shard_dim, replicate_dim, model_dims: tuple[str, ...], argument: str) -> "ParallelMesh":
+        if mesh is None:
+            raise ValueError(
+                f"the model has DTensor parameters on mesh dims {list(model_dims)}: pass the whole mesh as {argument} "
+                f"(init_device_mesh(device, shape, mesh_dim_names=(...))) and name its FSDP dim(s) with shard_dim"
+            )
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+        names = tuple(mesh.mesh_dim_names or ())
+        if not names:
+            raise ValueError(
+                f"{argument} {tuple(mesh.shape)} has no dim names; build it with init_device_mesh(device, shape, "
+                f"mesh_dim_names=(...)) so FSDP, replicate and TP/EP dims can be told apart"
+            )
+
+        def name_of(dim, what: str) -> str:
+            if isinstance(dim, int) and 0 <= dim < len(names):
+                return names[dim]
+            if dim in names:
+                return dim
+            raise ValueError(f"{what}={dim!r} is not a dim of {argument}, whose dims are {list(names)}")
+
+        rep = None if replicate_dim is None else name_of(replicate_dim, "replicate_dim")
+        if shard_dim is None:
+            free = [n for n in names if n not in model_dims and n != rep]
+            if not free:
+                raise ValueError(
+                    f"every dim of {argument} {list(names)} is used by DTensor parameters or replication; add a "
+                    f"dim for FSDP and name it with shard_dim"
+                )
+            shard_dim = free[-1]
+        shard = (shard_dim,) if isinstance(shard_dim, (str, int)) else tuple(shard_dim)
+        shard_dims = tuple(name_of(d, "shard_dim") for d in shard)
+        if rep in shard_dims:
+            raise ValueError(f"mesh dim {rep!r} cannot be both shard_dim and replicate_dim")
+        used = set(shard_dims) | set(model_dims) | ({rep} if rep else set())
+        if rep is None and len(names) == 2 and not model_dims:
+            rep = next(n for n in names if n not in shard_dims)  # a 2-D mesh without TP/EP: (replicate, shard)
+            used.add(rep)
+        unused = [n for n in names if n not in used]
+        if unused:
+            raise ValueError(
+                f"mesh dims {unused} of {argument} {list(names)} have no role: they are not shard_dim {list(shard_dims)}, "
+                f"not replicate_dim ({rep}) and no DTensor parameter is placed on them; name them in shard_dim "
+                f"(data parallel, FSDP) or replicate_dim (HSDP)"
+            )
+        if rep is not None and rep in model_dims:
+            raise ValueError(f"replicate_dim {rep!r} is also a dim of the model's DTensor parameters; pick another dim")
+        if dist.is_initialized() and mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"{argument} covers {mesh.size()} ranks but the default process group has {dist.get_world_size()}; "
+                f"build the mesh over all ranks"
+            )
+        return ParallelMesh(mesh, shard_dims, rep)
+
+
+def _check_placements(name: str, p: DTensor, mesh: ParallelMesh) -> None:
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh._get_root_mesh() is not mesh.root._get_root_mesh():
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on {p.device_mesh}, which is not a slice of the mesh the model is "
+            f"sharded over ({mesh.root}); slice its TP/EP mesh from that mesh (mesh['tp'])"
+        )
+    for placement in p.placements:
+        if not isinstance(placement, Shard):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}; FSDP composes "
+                f"with Shard placements (tensor/expert parallel weights). Keep replicated parameters as plain "
+                f"tensors: they are sharded over every dim but the replicate dim"
+            )
