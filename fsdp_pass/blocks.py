@@ -9,20 +9,22 @@ A parameter's block is the LCM, in elements, of what each source asks for:
 * the graph: block-quantize ops, reshapes that split dim 0, split/chunk of a parameter (found by
   the detect pass, :func:`fsdp_pass.passes.detect.graph_block_rows`, and given here in rows);
 * a tensor-parallel placement ``Shard(d)`` with ``d > 0``: whole local rows (:func:`block_for_placements`).
+
+The planning CLI's what-if block policies (``--block-policy 16row``) are :func:`block_elements`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .runtime.ragged_tensor import RaggedShardTensor
 
-__all__ = ["annotate_block", "annotated_block", "block_for_placements", "block_size", "set_block"]
+__all__ = ["annotate_block", "annotated_block", "block_elements", "block_for_placements", "block_size", "set_block"]
 
 _BLOCK_ATTR = "_fsdp_pass_block"
 
@@ -103,3 +105,18 @@ def block_for_placements(p: torch.Tensor, block: int) -> int:
         if isinstance(placement, Shard) and placement.dim > 0:
             block = math.lcm(block, math.prod(local.shape[placement.dim:]))
     return block
+
+
+def block_elements(shape: Sequence[int], rows: int) -> int:
+    """A block of ``k`` rows of ``shape``, ``k`` the largest divisor of the row count that is ``<= rows``.
+
+    A row is the last dimension (leading dims flattened, as in ``docs/padding.md``): for a matrix this
+    is ``set_block(rows=k)``; a 1-D tensor is one row, so it is never cut. ``rows=0``: one element.
+    """
+    if rows == 0 or not shape:
+        return 1
+    row = shape[-1]
+    count = math.prod(shape) // row if row else 0
+    if count == 0:
+        return 1
+    return max(d for d in range(1, min(rows, count) + 1) if count % d == 0) * row

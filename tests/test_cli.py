@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_pass.cli import block_elements, main, plan_model
+from fsdp_pass.cli import main
+from fsdp_pass.blocks import block_elements
+from fsdp_pass.plan_report import plan_model
 from fsdp_pass.testing.fake_pg import fake_process_group
 from fsdp_pass.model_configs import build_meta_model, load_model, total_params
 from fsdp_pass.sharding.buckets import ShardingConfig
