@@ -228,7 +228,7 @@ def measure(train, optimizer: str, layout: str, mesh, rank: int, world: int, war
 
 
 def _buffers(model):
-    from fsdp_pass.sharding.materialize import bucket_of, is_sharded
+    from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
 
     seen = {}
     for p in model.parameters():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .backend import records
 from .runtime.dbuffer import DBuffer
-from .sharding.materialize import bucket_of, is_sharded
+from .runtime.dbuffer import bucket_of, is_sharded
 
 __all__ = ["Explanation", "explain"]
 

@@ -15,7 +15,7 @@ import fsdp_pass
 from dist_harness import run_distributed
 from fsdp_pass.backend import records
 from fsdp_pass.passes.schedule import GATHER_CHAIN_OPS
-from fsdp_pass.sharding.materialize import bucket_of
+from fsdp_pass.runtime.dbuffer import bucket_of
 from models import MLP, Llama, LlamaConfig, lm_loss
 
 _c10d = torch.ops._c10d_functional

@@ -18,7 +18,7 @@ import torch.nn as nn
 import fsdp_pass
 from dist_harness import run_distributed
 from fsdp_pass.runtime.ragged_tensor import ragged_part
-from fsdp_pass.sharding.materialize import is_sharded
+from fsdp_pass.runtime.dbuffer import is_sharded
 from models import Llama, LlamaConfig, init_std, lm_loss
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 8

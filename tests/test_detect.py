@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_pass
-from fsdp_pass.sharding.materialize import bucket_of
+from fsdp_pass.runtime.dbuffer import bucket_of
 
 
 class Structured(nn.Module):

@@ -19,7 +19,8 @@ from fsdp_pass.runtime.dbuffer import DBuffer
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
 from fsdp_pass.sharding.buckets import ShardingConfig
-from fsdp_pass.sharding.materialize import bucket_of, is_sharded, shard_parameters
+from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
+from fsdp_pass.sharding.materialize import shard_parameters
 from models import MLP, Llama, LlamaConfig
 
 

@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fsdp_pass
 from dist_harness import run_distributed
-from fsdp_pass.sharding.materialize import bucket_of
+from fsdp_pass.runtime.dbuffer import bucket_of
 
 
 class Stack(nn.Module):

@@ -17,7 +17,8 @@ from ..blocks import block_size
 from ..options import Options
 from ..runtime.dbuffer import DBuffer
 from ..sharding.buckets import ShardingConfig
-from ..sharding.materialize import bucket_of, shard_parameters
+from ..runtime.dbuffer import bucket_of
+from ..sharding.materialize import shard_parameters
 from ..sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, graph_block_rows
 

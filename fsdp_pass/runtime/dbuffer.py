@@ -25,9 +25,20 @@ from ..planner import Layout
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "GatherConfig", "gather_bucket"]
+__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded"]
 
 _c10d = torch.ops._c10d_functional
+_BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a parameter held by a DBuffer."""
+    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+
+
+def bucket_of(p: torch.Tensor) -> tuple["DBuffer", str]:
+    """The DBuffer holding a sharded parameter, and the parameter's name in it."""
+    return getattr(p, _BUCKET_ATTR)
 
 
 class GatherConfig(NamedTuple):
@@ -115,6 +126,11 @@ class DBuffer:
         return out
 
     # -- filling and wrapping ------------------------------------------------------------------
+    def adopt(self, name: str, p: nn.Parameter) -> None:
+        """Record ``p`` (already swapped to its RaggedShard piece) as this bucket's parameter ``name``."""
+        setattr(p, _BUCKET_ATTR, (self, name))
+        self.params[name] = p
+
     @torch.no_grad()
     def load_full(self, name: str, full: torch.Tensor) -> None:
         """Copy this rank's piece of the full tensor ``full`` into the shard."""

@@ -24,26 +24,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.dbuffer import DBuffer
+from ..runtime.dbuffer import DBuffer, is_sharded
 from ..runtime.mesh import ShardingMesh
-from ..runtime.ragged_tensor import RaggedShardTensor, ragged_part
+from ..runtime.ragged_tensor import ragged_part
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .mesh_roles import ParallelMesh
 from .swap import check_swappable, swap_in_place
 
-__all__ = ["bucket_of", "is_sharded", "materialize", "shard_parameters"]
+__all__ = ["materialize", "shard_parameters"]
 
-_BUCKET_ATTR = "_fsdp_pass_bucket"
 _bucket_ids = itertools.count()  # names buckets uniquely in graphs and logs
-
-
-def is_sharded(p: torch.Tensor) -> bool:
-    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
-
-
-def bucket_of(p: torch.Tensor) -> tuple[DBuffer, str]:
-    """The DBuffer holding a sharded parameter, and the parameter's name in it."""
-    return getattr(p, _BUCKET_ATTR)
 
 
 def shard_parameters(
@@ -111,5 +101,4 @@ def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
     else:
         sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
         swap_in_place(p, sharded)
-    setattr(p, _BUCKET_ATTR, (buf, name))
-    buf.params[name] = p
+    buf.adopt(name, p)

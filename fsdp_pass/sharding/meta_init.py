@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .materialize import bucket_of, is_sharded
+from ..runtime.dbuffer import bucket_of, is_sharded
 
 __all__ = ["initialize_meta_parameters", "meta_parameter_owners"]
 
