@@ -168,6 +168,12 @@ class DBuffer:
                 if existing is None or ragged_part(existing)._local.data_ptr() != piece.data_ptr():
                     p.grad = self.wrap(name, piece)
 
+    def ensure_grad_shard(self) -> None:
+        """Give the shard a zero gradient if it has none, and point every parameter's ``.grad`` at its view."""
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.attach_grads()
+
     def sync_grad_state(self) -> None:
         """Drop the gradient shard when the user cleared every parameter's ``.grad`` (``zero_grad``)."""
         if self.shard.grad is not None and all(p.grad is None for p in self.params.values()):

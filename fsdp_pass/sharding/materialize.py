@@ -16,6 +16,7 @@ local block's global offset and the global shape, so DCP writes global boxes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Iterable, Mapping
@@ -25,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.dbuffer import DBuffer, is_sharded
+from ..runtime.eager import reduce_eager_gradient
 from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import ragged_part
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
@@ -82,9 +84,14 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
         if plan.trainable:
-            # The hook lives in C++ on the shard, out of the garbage collector's sight: a strong
-            # reference to the buffer there would keep the whole model alive forever.
-            buf.shard.register_post_accumulate_grad_hook(lambda _, ref=weakref.ref(buf): _attach_grads(ref))
+            # Hooks live in C++, out of the garbage collector's sight: a strong reference to the
+            # buffer there would keep the whole model alive forever.
+            ref = weakref.ref(buf)
+            buf.shard.register_post_accumulate_grad_hook(lambda _, ref=ref: _attach_grads(ref))
+            for name in layout.names:  # gradients of eager calls: [Note: eager calls on sharded parameters]
+                p = by_name[name]
+                if p.requires_grad and not isinstance(p, DTensor):
+                    p.register_hook(functools.partial(reduce_eager_gradient, ref, name))
         buffers.append(buf)
     return buffers
 

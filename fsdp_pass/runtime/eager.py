@@ -1,0 +1,99 @@
+"""Sharded parameters used outside a compiled graph: whole values on demand, gradients into the shards.
+
+[Note: eager calls on sharded parameters]
+A compiled graph gathers each bucket once and reduce-scatters its gradient (passes/rewrite.py). Code
+that runs eagerly on a sharded module (Hugging Face ``generate``, an eval loop without
+``torch.compile``, a submodule called from a callback, the eager embedding and head of a model whose
+blocks are compiled one by one) reaches ``RaggedShardTensor.__torch_dispatch__`` with parameters
+whose pieces cannot answer a matmul or a broadcast. For those ops:
+
+* forward: dispatch runs the op on the parameters' whole values. :func:`whole_parameter` all-gathers
+  the parameter's bucket once and keeps the gathered buckets of the last ``_KEPT_BUCKETS`` distinct
+  buckets, keyed by the shard's version counter (an optimizer step or any in-place write to the
+  shard makes the copy stale). So a module's parameters cost one all-gather per bucket, and peak
+  memory is the shards plus about two gathered buckets. The gather is below autograd: autograd
+  records the op with the sharded parameter as its input and saves that (a piece), not the
+  gathered copy, and backward gathers again where its formulas need the weight.
+* backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
+  (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
+  ranks, divides by the data-parallel degree, and adds this rank's piece into the bucket's
+  gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
+  correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
+  once per bucket).
+
+Eager calls are collective, like every FSDP forward: every rank of the bucket's mesh must make them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from . import collectives
+from .dbuffer import DBuffer, bucket_of, is_sharded
+from .ragged_tensor import RaggedShardTensor
+
+__all__ = ["drop_gathered", "is_eager_gatherable", "reduce_eager_gradient", "whole_parameter"]
+
+_KEPT_BUCKETS = 2  # gathered buckets kept for the next ops: a module's parameters share one gather
+
+# id(DBuffer) → (weak ref to it, the shard's version when gathered, parameter name → whole view)
+_gathered: OrderedDict[int, tuple[weakref.ref, int, dict[str, torch.Tensor]]] = OrderedDict()
+
+
+def is_eager_gatherable(t: torch.Tensor) -> bool:
+    """Whether dispatch may replace ``t`` by its whole value: a sharded parameter (not a TP/EP local tensor)."""
+    return isinstance(t, RaggedShardTensor) and is_sharded(t)
+
+
+def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
+    """The whole value of sharded parameter ``p``: a view of its bucket, gathered at most once per version."""
+    buf, name = bucket_of(p)
+    key, version = id(buf), buf.shard._version
+    entry = _gathered.get(key)
+    if entry is not None and entry[0]() is buf and entry[1] == version:
+        _gathered.move_to_end(key)
+        return entry[2][name]
+    _gathered.pop(key, None)
+    views = buf.views(buf.all_gather())
+    _gathered[key] = (weakref.ref(buf), version, views)
+    while len(_gathered) > _KEPT_BUCKETS:
+        _gathered.popitem(last=False)
+    return views[name]
+
+
+def drop_gathered() -> None:
+    """Free the gathered buckets kept for eager calls (they are also dropped as newer ones come)."""
+    _gathered.clear()
+
+
+@torch.no_grad()
+def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+    """Tensor hook of a sharded parameter (see [Note: eager calls on sharded parameters]).
+
+    Sums the whole-tensor ``grad`` over the bucket's ranks, divides by the data-parallel degree and
+    returns this rank's piece as a RaggedShard gradient, after pointing ``.grad`` at the bucket's
+    gradient shard: autograd then adds the returned piece into that view in place.
+    """
+    buf: DBuffer | None = ref()
+    if buf is None:
+        return None
+    if isinstance(grad, RaggedShardTensor):  # cannot happen from model code: seeds and formulas are whole tensors
+        raise RuntimeError(
+            f"the eager gradient of parameter {name!r} (shape {tuple(grad.shape)}) arrived as a RaggedShard piece, "
+            f"which holds only this rank's part of this rank's gradient; compute the loss with "
+            f'torch.compile(model, backend="vescale") instead'
+        )
+    whole = grad.detach().reshape(-1).clone()
+    m = buf.mesh
+    if m.shard_size > 1:
+        collectives.all_reduce_(whole, m.mesh.get_group(m.shard_dim))
+    if m.replicate_dim is not None and m.replicate_size > 1:
+        collectives.all_reduce_(whole, m.mesh.get_group(m.replicate_dim))
+    a, b = buf.layout.local_range(name, buf.rank)
+    piece = (whole[a:b] / m.divisor).to(buf.dtype)
+    buf.sync_grad_state()
+    buf.ensure_grad_shard()
+    return buf.ragged(name, piece)
