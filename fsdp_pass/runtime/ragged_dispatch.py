@@ -1,0 +1,489 @@
+"""How aten ops run on RaggedShardTensors: the body of ``RaggedShardTensor.__torch_dispatch__``.
+
+Each rank holds one flat range of a tensor, so an op runs on the pieces only where that is exact:
+
+* elementwise ops (``torch.Tag.pointwise``, in-place and ``out=`` forms, ``*_like``, ``clone``,
+  ``detach``, ``zero_``, ``fill_``, ``copy_``, ``_to_copy``), ``_foreach_*`` ops and the fused
+  optimizer kernels, between tensors of one layout and Python scalars or 0-dim plain tensors;
+* full reductions (vector norms, ``sum``, ``max``/``min``, ``dot``): reduce the piece, then
+  all-reduce over the mesh dim; the result is a plain, replicated tensor.
+
+Everything else raises rather than compute something silently wrong on a piece. :func:`dispatch`
+tries its cases in order; the first that applies handles the op.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from . import collectives
+from .ragged_tensor import RaggedShardTensor, RaggedSpec
+
+aten = torch.ops.aten
+
+
+def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
+    """Run ``func`` on RaggedShard arguments: the first case that applies handles it."""
+    call = _OpCall(func, args, kwargs or {})
+    if _is_model_code_on_fake_pieces(call):
+        return _run_on_full_shape_stand_ins(call)
+    if _is_collective_on_real_pieces(call):
+        return _collective_on_whole_tensors(call)
+    if func in _SPECIAL_HANDLERS:  # copy_ and the full reductions (table at the bottom)
+        return _SPECIAL_HANDLERS[func](call)
+    if _keeps_layout(call):
+        return _run_elementwise(call)
+    if _is_per_tensor_list_op(call):
+        return _run_per_list_entry(call)
+    if call.pieces_are_fake:
+        return _run_on_full_shape_stand_ins(call)
+    raise _unsupported(call)
+
+
+class _OpCall:
+    """One dispatched op call. The facts that cost a pytree walk are worked out on first use, once:
+    optimizer list ops never need them, and walking their long lists would cost more than the op."""
+
+    __slots__ = ("func", "args", "kwargs", "_leaves", "_pieces_are_fake", "_bound")
+
+    def __init__(self, func, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self._leaves: list[Any] | None = None
+        self._pieces_are_fake: bool | None = None
+        self._bound: dict[str, Any] | None = None
+
+    @property
+    def leaves(self) -> list[Any]:
+        """Every argument value, nested containers flattened."""
+        if self._leaves is None:
+            self._leaves = tree_flatten((self.args, self.kwargs))[0]
+        return self._leaves
+
+    @property
+    def pieces_are_fake(self) -> bool:
+        """Whether this runs under tracing (fake or functional pieces) rather than on real data."""
+        if self._pieces_are_fake is None:
+            self._pieces_are_fake = any(
+                isinstance(t, RaggedShardTensor) and isinstance(t._local, FakeTensor) for t in self.leaves
+            )
+        return self._pieces_are_fake
+
+    @property
+    def bound(self) -> dict[str, Any]:
+        """Arguments by schema name, defaults filled in (dispatch drops trailing defaults)."""
+        if self._bound is None:
+            self._bound = {}
+            for i, arg in enumerate(self.func._schema.arguments):
+                if i < len(self.args):
+                    self._bound[arg.name] = self.args[i]
+                elif arg.name in self.kwargs:
+                    self._bound[arg.name] = self.kwargs[arg.name]
+                elif arg.has_default_value():
+                    self._bound[arg.name] = arg.default_value
+        return self._bound
+
+    def run_on_pieces(self) -> Any:
+        """The op itself, on every RaggedShard argument's local piece."""
+        return self.func(*_unwrap(self.args), **_unwrap(self.kwargs))
+
+    def run_with_replaced(self, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
+        """The op itself, with every RaggedShard argument ``t`` replaced by ``replace(t)``."""
+        return self.func(
+            *tree_map_only(RaggedShardTensor, replace, self.args),
+            **tree_map_only(RaggedShardTensor, replace, self.kwargs),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases, in the order dispatch tries them
+# ---------------------------------------------------------------------------------------------
+
+# Not tagged pointwise, but they keep the layout: each output element depends at most on the same input element.
+_LAYOUT_KEEPING_OPS = {
+    aten.zeros_like, aten.empty_like, aten.ones_like, aten.full_like,
+    aten.detach, aten.zero_, aten.fill_, aten._to_copy,
+}  # fmt: skip
+
+_FUSED_OPTIMIZER_OPS = {"aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fused_sgd_"}
+
+
+def _is_model_code_on_fake_pieces(call: _OpCall) -> bool:
+    """Dynamo tracing model code on sharded parameters (optimizer list ops never take this path)."""
+    return not _is_per_tensor_list_op(call) and call.pieces_are_fake and _mixes_with_plain_tensors(call)
+
+
+def _mixes_with_plain_tensors(call: _OpCall) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and not isinstance(t, RaggedShardTensor) and t.dim() > 0 for t in call.leaves
+    )
+
+
+def _is_collective_on_real_pieces(call: _OpCall) -> bool:
+    return call.func.namespace == "_c10d_functional" and not call.pieces_are_fake
+
+
+def _keeps_layout(call: _OpCall) -> bool:
+    return torch.Tag.pointwise in call.func.tags or call.func.overloadpacket in _LAYOUT_KEEPING_OPS
+
+
+def _is_per_tensor_list_op(call: _OpCall) -> bool:
+    name = call.func._schema.name
+    return name.startswith("aten::_foreach_") or name in _FUSED_OPTIMIZER_OPS
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout checks and errors
+# ---------------------------------------------------------------------------------------------
+
+_FULL_TENSOR_HINT = (
+    "call .full_tensor() to work on the whole tensor, "
+    'or compile the model with torch.compile(..., backend="vescale")'
+)
+
+
+def _op_name(func) -> str:
+    return f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname}"
+
+
+def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
+    """The one layout of the RaggedShard tensors in ``values``; raise if layouts mix.
+
+    Plain tensors may join only as 0-dim scalars: a plain tensor with dims has no piece to pair
+    with this rank's piece.
+    """
+    spec = None
+    for value in values:
+        if isinstance(value, RaggedShardTensor):
+            if spec is None:
+                spec = value._spec
+            elif value._spec is not spec and value._spec != spec:
+                raise ValueError(
+                    f"{_op_name(func)}: cannot combine RaggedShard tensors of different layouts "
+                    f"({spec.describe()} vs {value._spec.describe()}); redistribute one to the other's placement"
+                )
+    if spec is not None:
+        for value in values:
+            if isinstance(value, torch.Tensor) and not isinstance(value, RaggedShardTensor) and value.dim() != 0:
+                raise ValueError(
+                    f"{_op_name(func)}: cannot combine a RaggedShardTensor ({spec.describe()}) with a plain "
+                    f"tensor of shape {tuple(value.shape)}; only Python scalars and 0-dim tensors mix with "
+                    f"RaggedShard pieces. Shard it first (distribute_tensor with the same placement) "
+                    f"or {_FULL_TENSOR_HINT}"
+                )
+    return spec
+
+
+def _unsupported(call: _OpCall) -> NotImplementedError:
+    layouts = "; ".join(t._spec.describe() for t in call.leaves if isinstance(t, RaggedShardTensor))
+    return NotImplementedError(
+        f"{_op_name(call.func)} is not supported on RaggedShardTensor ({layouts}). Each rank holds only a flat "
+        f"range of the tensor, so eagerly only elementwise ops, optimizer (_foreach_/_fused_) ops and full "
+        f"reductions run on the pieces; {_FULL_TENSOR_HINT}"
+    )
+
+
+def _unwrap(tree: Any) -> Any:
+    """``tree`` with every RaggedShardTensor replaced by its local piece.
+
+    Arguments shaped like the optimizer's (tensors, lists of tensors, scalars, one level of nesting)
+    are unwrapped directly: pytree's generic walk costs more than the elementwise kernels of a
+    small model's optimizer step.
+    """
+    if isinstance(tree, RaggedShardTensor):
+        return tree._local
+    if isinstance(tree, list):
+        return [_unwrap(x) if isinstance(x, (RaggedShardTensor, list)) else x for x in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_unwrap(x) if isinstance(x, (RaggedShardTensor, list, tuple, dict)) else x for x in tree)
+    return tree_map_only(RaggedShardTensor, lambda t: t._local, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing and collectives: ops that see whole tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_on_full_shape_stand_ins(call: _OpCall) -> Any:
+    """Shape propagation while Dynamo traces a model whose parameters are already sharded.
+
+    Dynamo records the torch-level call (``F.linear(x, weight)``) and only needs output metadata; the
+    vescale backend then replaces every parameter use by a view of the gathered bucket, so these
+    stand-ins never reach a compiled graph. Only fake pieces take this path: real data still raises.
+    """
+    return call.run_with_replaced(lambda t: t._local.new_empty(t.shape, dtype=t.dtype))
+
+
+def _collective_on_whole_tensors(call: _OpCall) -> Any:
+    """A collective over *another* mesh dim, e.g. a tensor-parallel DTensor's ``full_tensor()`` of its
+    RaggedShard local tensor: gather the whole local tensor over this tensor's own dim first."""
+    return call.run_with_replaced(lambda t: t.full_tensor())
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise ops run on the pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_elementwise(call: _OpCall) -> Any:
+    spec = _shared_spec(call.func, call.leaves)
+    out = call.run_on_pieces()
+    return _with_outputs_wrapped(call, out, lambda piece: _wrap_piece(call.func, piece, spec))
+
+
+def _run_per_list_entry(call: _OpCall) -> Any:
+    """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout."""
+    func, bound = call.func, call.bound
+    if _has_dtensor_entries(bound):
+        return _split_off_dtensor_entries(func, bound)
+    lists, scalars = [], []
+    for arg in func._schema.arguments:
+        value = bound.get(arg.name)
+        if isinstance(value, (list, tuple)):
+            lists.append(value)
+        # "scalars" of addcdiv_/addcmul_ holds one value per list entry, not per element.
+        elif isinstance(value, torch.Tensor) and arg.name != "scalars":
+            scalars.append(value)
+    entries = max((len(values) for values in lists), default=0)
+    specs = [
+        _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars) for i in range(entries)
+    ]
+    out = call.run_on_pieces()
+    return _with_outputs_wrapped(call, out, lambda pieces: [_wrap_piece(func, p, s) for p, s in zip(pieces, specs)])
+
+
+def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
+    return any(isinstance(v, (list, tuple)) and any(isinstance(t, DTensor) for t in v) for v in bound.values())
+
+
+def _split_off_dtensor_entries(func, bound: dict[str, Any]) -> Any:
+    """A list op over RaggedShard parameters and tensor-parallel DTensor ones (whose local tensors are
+    RaggedShard): one call for each kind, since DTensor dispatch only takes DTensors.
+
+    ``clip_grad_norm_`` and optimizers group gradients by device and dtype only, so the kinds mix.
+    A 0-dim DTensor operand (a total norm) joins the non-DTensor call as its value.
+    """
+    lengths = {len(v) for v in bound.values() if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)}
+    entries = max(lengths)
+    is_dtensor = [any(isinstance(v[i], DTensor) for v in bound.values()
+                      if isinstance(v, (list, tuple)) and len(v) == entries) for i in range(entries)]
+    results: list[Any] = [None] * entries
+    returned = None
+    for kind in (True, False):
+        chosen = [i for i in range(entries) if is_dtensor[i] == kind]
+        if not chosen:
+            continue
+        arguments = {}
+        for name, value in bound.items():
+            if isinstance(value, (list, tuple)) and len(value) == entries:
+                value = [value[i] for i in chosen]
+            elif isinstance(value, DTensor) and not kind:
+                value = value.full_tensor()
+            arguments[name] = value
+        out = func(**arguments)
+        if isinstance(out, (list, tuple)) and len(out) == len(chosen):
+            returned = True
+            for i, o in zip(chosen, out):
+                results[i] = o
+    return results if returned else None
+
+
+def _wrap_piece(func, piece: Any, spec: RaggedSpec | None) -> Any:
+    if spec is None or not isinstance(piece, torch.Tensor):
+        return piece
+    if piece.shape != (spec.local_numel,):
+        # e.g. _foreach_max: a per-piece reduction would be silently wrong if wrapped.
+        raise NotImplementedError(
+            f"{_op_name(func)} turned a RaggedShard piece of {spec.local_numel} elements into shape "
+            f"{tuple(piece.shape)}: it is not elementwise, so it cannot run on pieces; {_FULL_TENSOR_HINT}"
+        )
+    return RaggedShardTensor(piece, spec)
+
+
+def _with_outputs_wrapped(call: _OpCall, out: Any, wrap: Callable[[Any], Any]) -> Any:
+    """In-place and ``out=`` results are the caller's own tensors; the rest are wrapped pieces."""
+    returns = call.func._schema.returns
+    if not returns:
+        return out
+    outs = (out,) if len(returns) == 1 else tuple(out)
+    results = []
+    for ret, value in zip(returns, outs):
+        written = _written_argument(call, ret)
+        results.append(written if written is not None else wrap(value))
+    return results[0] if len(returns) == 1 else tuple(results)
+
+
+def _written_argument(call: _OpCall, ret) -> Any:
+    alias = ret.alias_info
+    if alias is None or not alias.is_write:
+        return None
+    for i, arg in enumerate(call.func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+            return call.args[i] if i < len(call.args) else call.kwargs[arg.name]
+    return None
+
+
+def _copy_(call: _OpCall) -> RaggedShardTensor:
+    """``dst.copy_(src)``: from a same-layout RaggedShard tensor, a 0-dim scalar, or the full tensor."""
+    func, bound = call.func, call.bound
+    dst, src = bound["self"], bound["src"]
+    if not isinstance(dst, RaggedShardTensor):
+        raise NotImplementedError(
+            f"{_op_name(func)}: copying a RaggedShardTensor ({src._spec.describe()}) into a plain tensor of shape "
+            f"{tuple(dst.shape)} needs the whole tensor: copy from .full_tensor() instead"
+        )
+    if isinstance(src, RaggedShardTensor):
+        _shared_spec(func, [dst, src])
+        piece = src._local
+    elif src.dim() == 0:
+        piece = src
+    elif src.shape == dst.shape:
+        start, end = dst._spec.local_range
+        piece = src.reshape(-1)[start:end]
+    else:
+        raise ValueError(
+            f"{_op_name(func)}: cannot copy a plain tensor of shape {tuple(src.shape)} into a RaggedShardTensor "
+            f"({dst._spec.describe()}); pass the full tensor (same shape) or a 0-dim scalar"
+        )
+    aten.copy_.default(dst._local, piece, bound["non_blocking"])
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Full reductions = reduce the piece, then all-reduce over the mesh dim
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_full_reduction(call: _OpCall) -> None:
+    x, dim = call.bound["self"], call.bound.get("dim")
+    if dim is None:
+        return
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not dims or {d % max(x.dim(), 1) for d in dims} == set(range(max(x.dim(), 1))):
+        return
+    raise _unsupported(call)
+
+
+def _keep_dims(result: torch.Tensor, x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    return result.reshape([1] * x.dim()) if keepdim else result
+
+
+def _vector_norm(call: _OpCall) -> torch.Tensor:
+    _require_full_reduction(call)
+    bound = call.bound
+    x = bound["self"]
+    norm = _global_norms([x], bound["ord"], bound["dtype"])[0]
+    return _keep_dims(norm, x, bound["keepdim"])
+
+
+def _foreach_norm(call: _OpCall) -> list[torch.Tensor]:
+    """Per-tensor global norms, with one all-reduce per process group (not one per tensor)."""
+    tensors, ord, dtype = call.bound["self"], call.bound["ord"], call.bound["dtype"]
+    norms: list[torch.Tensor | None] = [None] * len(tensors)
+    by_group: dict[tuple[DeviceMesh | None, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, RaggedShardTensor):
+            by_group.setdefault((t._spec.mesh, t._spec.mesh_dim), []).append(i)
+        else:
+            norms[i] = aten.linalg_vector_norm.default(t, ord, dtype=dtype)
+    for indices in by_group.values():
+        for i, norm in zip(indices, _global_norms([tensors[i] for i in indices], ord, dtype)):
+            norms[i] = norm
+    return norms
+
+
+def _global_norms(tensors: list[RaggedShardTensor], ord: float, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Vector norms of whole tensors sharing one process group, with one all-reduce for all of them.
+
+    Each rank contributes ``|piece|_p ** p`` for finite p (in float64, so combining the pieces adds
+    no rounding of note), its max for p = inf or its min for p = -inf; empty pieces contribute
+    the identity.
+    """
+    ord = float(ord)
+    partials = torch.full(
+        (len(tensors),), math.inf if ord == -math.inf else 0.0, dtype=torch.float64, device=tensors[0]._local.device
+    )
+    held = [i for i, t in enumerate(tensors) if t._local.numel() > 0]
+    if held:
+        local_norms = aten._foreach_norm.Scalar([tensors[i]._local for i in held], ord, dtype)
+        local = torch.stack(local_norms).to(torch.float64)
+        partials[held] = local if ord in (0.0, math.inf, -math.inf) else local**ord
+    group = tensors[0]._spec.group
+    if ord == math.inf:
+        combined = _all_reduce_extremum(partials, group, "max")
+    elif ord == -math.inf:
+        combined = _all_reduce_extremum(partials, group, "min")
+    else:
+        combined = collectives.all_reduce_(partials, group, "sum")
+        if ord != 0.0:
+            combined = combined ** (1.0 / ord)
+    return [combined[i].to((dtype or t.dtype).to_real()) for i, t in enumerate(tensors)]
+
+
+def _all_reduce_extremum(values: torch.Tensor, group: ProcessGroup | None, op: str) -> torch.Tensor:
+    """MAX/MIN all-reduce that keeps NaN (gloo's elementwise max may drop a NaN operand)."""
+    if not values.is_floating_point():
+        return collectives.all_reduce_(values, group, op)
+    nan_flags = values.isnan().to(values.dtype)
+    # One collective for values and flags: the flag is 1 (MAX) or -1 (MIN) wherever a rank saw NaN.
+    stacked = torch.stack([values, nan_flags if op == "max" else -nan_flags])
+    collectives.all_reduce_(stacked, group, op)
+    return torch.where(stacked[1] != 0, torch.full_like(stacked[0], math.nan), stacked[0])
+
+
+def _sum(call: _OpCall) -> torch.Tensor:
+    _require_full_reduction(call)
+    x = call.bound["self"]
+    total = aten.sum.default(x._local, dtype=call.bound["dtype"])
+    return _keep_dims(collectives.all_reduce_(total, x._spec.group, "sum"), x, call.bound.get("keepdim", False))
+
+
+def _extremum(call: _OpCall) -> torch.Tensor:
+    """max/min/amax/amin over the whole tensor."""
+    _require_full_reduction(call)
+    x = call.bound["self"]
+    if x.numel() == 0:
+        return call.run_on_pieces()  # torch's own error for an empty tensor
+    op = "max" if call.func.overloadpacket in (aten.max, aten.amax) else "min"
+    local = x._local
+    if local.numel() == 0:
+        value = torch.full((), _reduction_identity(x.dtype, op), dtype=x.dtype, device=local.device)
+    else:
+        value = aten.amax.default(local) if op == "max" else aten.amin.default(local)
+    return _keep_dims(_all_reduce_extremum(value, x._spec.group, op), x, call.bound.get("keepdim", False))
+
+
+def _reduction_identity(dtype: torch.dtype, op: str) -> float | int | bool:
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return -math.inf if op == "max" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def _dot(call: _OpCall) -> torch.Tensor:
+    spec = _shared_spec(call.func, call.args[:2])
+    return collectives.all_reduce_(call.run_on_pieces(), spec.group, "sum")
+
+
+_SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {
+    aten.copy_.default: _copy_,
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten.sum.default: _sum,
+    aten.sum.dim_IntList: _sum,
+    aten.max.default: _extremum,
+    aten.min.default: _extremum,
+    aten.amax.default: _extremum,
+    aten.amin.default: _extremum,
+    aten.dot.default: _dot,
+    aten.vdot.default: _dot,
+}
