@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import collectives
+from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import RaggedShardTensor, RaggedSpec
 
 aten = torch.ops.aten
@@ -39,6 +40,8 @@ def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
         return _collective_on_whole_tensors(call)
     if func in _SPECIAL_HANDLERS:  # copy_ and the full reductions (table at the bottom)
         return _SPECIAL_HANDLERS[func](call)
+    if _is_eager_model_code(call):  # [Note: eager calls on sharded parameters] in runtime/eager.py
+        return call.run_with_replaced(whole_parameter)
     if _keeps_layout(call):
         return _run_elementwise(call)
     if _is_per_tensor_list_op(call):
@@ -118,6 +121,18 @@ _FUSED_OPTIMIZER_OPS = {"aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fus
 def _is_model_code_on_fake_pieces(call: _OpCall) -> bool:
     """Dynamo tracing model code on sharded parameters (optimizer list ops never take this path)."""
     return not _is_per_tensor_list_op(call) and call.pieces_are_fake and _mixes_with_plain_tensors(call)
+
+
+def _is_eager_model_code(call: _OpCall) -> bool:
+    """Model code reading sharded parameters outside a compiled graph: a matmul, a view, a broadcast
+    against activations. Optimizer and clipping math (elementwise among pieces, list ops, in-place
+    writes) keeps running on the pieces."""
+    if call.pieces_are_fake or call.func._schema.is_mutable:
+        return False
+    ragged = [t for t in call.leaves if isinstance(t, RaggedShardTensor)]
+    if not all(map(is_eager_gatherable, ragged)):
+        return False
+    return _mixes_with_plain_tensors(call) or not (_keeps_layout(call) or _is_per_tensor_list_op(call))
 
 
 def _mixes_with_plain_tensors(call: _OpCall) -> bool:
