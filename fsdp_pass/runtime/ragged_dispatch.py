@@ -72,7 +72,7 @@ class _OpCall:
 
     @property
     def pieces_are_fake(self) -> bool:
-        """Whether this runs under tracing (fake or functional pieces) rather than on real data."""
+        """Whether a RaggedShard argument holds a FakeTensor piece: tracing, not real data."""
         if self._pieces_are_fake is None:
             self._pieces_are_fake = any(
                 isinstance(t, RaggedShardTensor) and isinstance(t._local, FakeTensor) for t in self.leaves
