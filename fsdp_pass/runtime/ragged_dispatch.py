@@ -95,7 +95,24 @@ class _OpCall:
 
     def run_on_pieces(self) -> Any:
         """The op itself, on every RaggedShard argument's local piece."""
-        return self.func(*_unwrap(self.args), **_unwrap(self.kwargs))
+        out = self.func(*_unwrap(self.args), **_unwrap(self.kwargs))
+        if self.func._schema.is_mutable:
+            self.count_writes()
+        return out
+
+    def count_writes(self) -> None:
+        """Bump the version counter of every written piece (and so of its bucket's shard).
+
+        Autograd counted the write on the wrapper, above dispatch; below it, writes to the pieces
+        count nothing. Readers keyed on the shard's version (runtime/eager.py) must see them.
+        """
+        for arg in self.func._schema.arguments:
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = self.bound.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, RaggedShardTensor):
+                    torch.autograd.graph.increment_version(t._local)
 
     def run_with_replaced(self, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
         """The op itself, with every RaggedShard argument ``t`` replaced by ``replace(t)``."""
@@ -368,6 +385,7 @@ def _copy_(call: _OpCall) -> RaggedShardTensor:
             f"({dst._spec.describe()}); pass the full tensor (same shape) or a 0-dim scalar"
         )
     aten.copy_.default(dst._local, piece, bound["non_blocking"])
+    call.count_writes()
     return dst
 
 
@@ -489,8 +507,16 @@ def _dot(call: _OpCall) -> torch.Tensor:
     return collectives.all_reduce_(call.run_on_pieces(), spec.group, "sum")
 
 
+def _detach(call: _OpCall) -> RaggedShardTensor:
+    """A new wrapper around the same piece. Pieces never require grad, and sharing the piece keeps
+    one version counter per bucket shard: writes through ``p.data`` or ``p.detach()`` count too."""
+    t = call.bound["self"]
+    return RaggedShardTensor(t._local, t._spec)
+
+
 _SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {
     aten.copy_.default: _copy_,
+    aten.detach.default: _detach,
     aten.linalg_vector_norm.default: _vector_norm,
     aten._foreach_norm.Scalar: _foreach_norm,
     aten.sum.default: _sum,
