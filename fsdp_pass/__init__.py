@@ -13,6 +13,7 @@ from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
 from .state_dict import get_full_state_dict, set_full_state_dict
+from .unshard import unshard
 
 __all__ = [
     "Layout",
@@ -27,5 +28,6 @@ __all__ = [
     "plan_buckets",
     "set_block",
     "set_full_state_dict",
+    "unshard",
 ]
 __version__ = "0.1.0"

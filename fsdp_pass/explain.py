@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .backend import records
-from .runtime.dbuffer import DBuffer
-from .runtime.dbuffer import bucket_of, is_sharded
+from .runtime.dbuffer import DBuffer, bucket_of, is_sharded
 
 __all__ = ["Explanation", "explain"]
 

@@ -15,9 +15,8 @@ from typing import Sequence
 
 from ..blocks import block_size
 from ..options import Options
-from ..runtime.dbuffer import DBuffer
+from ..runtime.dbuffer import DBuffer, bucket_of, is_unsharded
 from ..sharding.buckets import ShardingConfig
-from ..runtime.dbuffer import bucket_of
 from ..sharding.materialize import shard_parameters
 from ..sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, graph_block_rows
@@ -35,6 +34,12 @@ class Sharded:
 
 def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     """Pass 2 with the backend's options."""
+    inside_unshard = [s.name for s in sites if is_unsharded(s.param)]
+    if inside_unshard:
+        raise RuntimeError(
+            f"the compiled model was called inside fsdp_pass.unshard (parameter {inside_unshard[0]!r} holds its whole "
+            f"value there); call the original module eagerly inside the block, or leave the block first"
+        )
     named = [(s.name, s.param) for s in sites]
     mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
     blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}

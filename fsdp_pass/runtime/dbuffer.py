@@ -25,15 +25,26 @@ from ..planner import Layout
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded"]
+__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded", "is_unsharded", "mark_unsharded"]
 
 _c10d = torch.ops._c10d_functional
 _BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
+_UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a parameter held by a DBuffer."""
     return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+
+
+def is_unsharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a sharded parameter showing its whole value inside ``fsdp_pass.unshard``."""
+    return getattr(p, _UNSHARDED_ATTR, False)
+
+
+def mark_unsharded(p: torch.Tensor) -> None:
+    """Flag ``p`` as :func:`is_unsharded` (the flag lives in ``p.__dict__``, which the swap back takes away)."""
+    setattr(p, _UNSHARDED_ATTR, True)
 
 
 def bucket_of(p: torch.Tensor) -> tuple["DBuffer", str]:

@@ -8,10 +8,10 @@ blocks are compiled one by one) reaches ``RaggedShardTensor.__torch_dispatch__``
 whose pieces cannot answer a matmul or a broadcast. For those ops:
 
 * forward: dispatch runs the op on the parameters' whole values. :func:`whole_parameter` all-gathers
-  the parameter's bucket once and keeps the gathered buckets of the last ``_KEPT_BUCKETS`` distinct
-  buckets, keyed by the shard's version counter (an optimizer step or any in-place write to the
-  shard makes the copy stale). So a module's parameters cost one all-gather per bucket, and peak
-  memory is the shards plus about two gathered buckets. The gather is below autograd: autograd
+  the parameter's bucket and keeps the last gathered bucket, keyed by the shard's version counter
+  (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
+  a module unit cost one all-gather, and an eager forward holds the shards plus one gathered bucket
+  (two while the next is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd
   records the op with the sharded parameter as its input and saves that (a piece), not the
   gathered copy, and backward gathers again where its formulas need the weight.
 * backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
@@ -37,7 +37,7 @@ from .ragged_tensor import RaggedShardTensor
 
 __all__ = ["drop_gathered", "is_eager_gatherable", "reduce_eager_gradient", "whole_parameter"]
 
-_KEPT_BUCKETS = 2  # gathered buckets kept for the next ops: a module's parameters share one gather
+_KEPT_BUCKETS = 1  # gathered buckets kept for the next ops: a module's parameters share one gather
 
 # id(DBuffer) → (weak ref to it, the shard's version when gathered, parameter name → whole view)
 _gathered: OrderedDict[int, tuple[weakref.ref, int, dict[str, torch.Tensor]]] = OrderedDict()
@@ -57,10 +57,10 @@ def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
         _gathered.move_to_end(key)
         return entry[2][name]
     _gathered.pop(key, None)
+    while len(_gathered) >= _KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
+        _gathered.popitem(last=False)
     views = buf.views(buf.all_gather())
     _gathered[key] = (weakref.ref(buf), version, views)
-    while len(_gathered) > _KEPT_BUCKETS:
-        _gathered.popitem(last=False)
     return views[name]
 
 

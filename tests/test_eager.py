@@ -1,0 +1,258 @@
+"""A sharded model stays usable outside the compiled call: eager forward/backward, generate, unshard,
+per-block compilation; and no configuration trains silently wrong (2 gloo ranks vs one process)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_pass
+from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
+from dist_harness import run_distributed
+from models import Llama, LlamaConfig, init_std, lm_loss
+
+TOLERANCE = 1e-5  # fp32, relative to the largest value
+WORLD = 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _batch(step: int, world: int, cfg: LlamaConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randint(0, cfg.vocab, (4 * world, cfg.seq), generator=g)
+
+
+def _mean_over_ranks(x: torch.Tensor) -> float:
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return float(x) / dist.get_world_size()
+
+
+def _check_parameters(model: nn.Module, ref: nn.Module) -> float:
+    full = fsdp_pass.get_full_state_dict(model)  # collective; whole tensors on rank 0
+    if dist.get_rank() != 0:
+        return 0.0
+    worst, name = max((_rel(full[n], p.detach()), n) for n, p in ref.named_parameters())
+    assert worst <= TOLERANCE, (name, worst)
+    return worst
+
+
+def _train_side_by_side(rank: int, world: int, model: nn.Module, ref: nn.Module, steps: int = 3) -> None:
+    """``model`` (sharded, any mix of compiled and eager parts) on this rank's half vs ``ref`` on the whole batch."""
+    cfg = ref.cfg
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        tokens = _batch(step, world, cfg)
+        mine = tokens.chunk(world)[rank]
+        loss_ref = lm_loss(ref(tokens), tokens)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = lm_loss(model(mine), mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got = _mean_over_ranks(loss)
+        assert abs(got - float(loss_ref)) <= TOLERANCE * abs(float(loss_ref)), (step, got, float(loss_ref))
+    print(f"rank {rank}: parameters within {_check_parameters(model, ref):.1e} after {steps} steps")
+
+
+def _eager_training(rank: int, world: int) -> None:
+    ref = init_std(Llama(LlamaConfig()))
+    model = copy.deepcopy(ref)
+    fsdp_pass.fully_shard(model)
+    identities = [id(p) for p in model.parameters()]
+    _train_side_by_side(rank, world, model, ref)
+    assert [id(p) for p in model.parameters()] == identities
+    assert all(isinstance(p.grad, RaggedShardTensor) or p.grad is None for p in model.parameters())
+
+
+def test_eager_forward_backward_and_step_match_one_process():
+    run_distributed(_eager_training, WORLD)
+
+
+def _per_block_compilation(rank: int, world: int, compiler: str) -> None:
+    ref = init_std(Llama(LlamaConfig()))
+    model = copy.deepcopy(ref)
+    fsdp_pass.fully_shard(model)  # the eager embedding, norm and head are sharded too
+    for block in model.layers:
+        block.compile(backend="vescale", options={"compiler": compiler})
+    _train_side_by_side(rank, world, model, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_per_block_compilation_matches_one_process(compiler):
+    run_distributed(_per_block_compilation, WORLD, compiler)
+
+
+def _blocks_compiled_alone(rank: int, world: int) -> None:
+    ref = init_std(Llama(LlamaConfig()))
+    model = copy.deepcopy(ref)
+    for block in model.layers:  # nothing shards the embedding and the head
+        block.compile(backend="vescale", options={"compiler": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = _batch(0, world, ref.cfg).chunk(world)[rank]
+    lm_loss(model(tokens), tokens).backward()
+    with pytest.raises(RuntimeError, match=r"parameter 'tok_embeddings.weight' .* is not sharded .*fully_shard\(model\)"):
+        opt.step()
+
+
+def test_blocks_compiled_alone_refuse_to_train_unsynchronized_parameters():
+    run_distributed(_blocks_compiled_alone, WORLD)
+
+
+def _compiled_then_eager(rank: int, world: int) -> None:
+    ref = init_std(Llama(LlamaConfig()))
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    tokens = _batch(0, world, ref.cfg)
+    with torch.no_grad():
+        compiled(tokens.chunk(world)[rank])  # shards the parameters
+        eager = model(tokens)  # the original module, every parameter sharded
+        assert _rel(eager, ref(tokens)) <= TOLERANCE
+        first = model.layers[0](ref.tok_embeddings(tokens), ref.freqs[: tokens.shape[1], None, :])
+        assert _rel(first, ref.layers[0](ref.tok_embeddings(tokens), ref.freqs[: tokens.shape[1], None, :])) <= TOLERANCE
+
+
+def test_compiled_model_also_runs_eagerly():
+    run_distributed(_compiled_then_eager, WORLD)
+
+
+def _peak_allocated_bytes(prof) -> int:
+    """Peak of the CPU allocator's live bytes during the profile, above the level where it began."""
+    from torch._C._profiler import _EventType
+
+    records, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            records.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
+    records.sort()
+    start = records[0][2] - records[0][1]
+    return max(total for _, _, total in records) - start
+
+
+def _eager_peak_memory(rank: int, world: int) -> None:
+    """An eager forward holds the shards plus about two gathered buckets, never the whole model."""
+    from fsdp_pass.runtime import eager
+    from fsdp_pass.runtime.dbuffer import bucket_of
+
+    cfg = LlamaConfig(dim=64, ffn=128, layers=6, vocab=64, tie_embeddings=False)
+    model = init_std(Llama(cfg))
+    fsdp_pass.fully_shard(model, min_bucket_bytes=0)  # one bucket per unit: embedding, 6 layers, norm, head
+    buffers = {id(b): b for b in (bucket_of(p)[0] for p in model.parameters())}.values()
+    whole_bytes = [b.layout.shard_size * WORLD * b.dtype.itemsize for b in buffers]
+    largest = max(whole_bytes)
+    tokens = _batch(0, world, cfg)[:1]
+    eager.drop_gathered()
+    with torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:
+        model(tokens)
+    peak = _peak_allocated_bytes(prof)
+    print(f"rank {rank}: eager forward peak {peak / 2**10:.0f} KiB; largest bucket {largest / 2**10:.0f} KiB; "
+          f"whole model {sum(whole_bytes) / 2**10:.0f} KiB")
+    assert peak <= 2 * largest + 256 * 2**10, (peak, largest)  # two buckets plus activations of one token row
+    assert sum(whole_bytes) > 2 * largest + 256 * 2**10  # the whole model would not fit that bound
+
+
+def test_eager_forward_gathers_one_bucket_at_a_time():
+    run_distributed(_eager_peak_memory, WORLD)
+
+
+def _hf_tiny_llama():
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = HFLlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                        tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _generate(rank: int, world: int) -> None:
+    ref = _hf_tiny_llama()
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    prompt = torch.tensor([[5, 17, 3, 42]])
+    with torch.no_grad():
+        compiled(prompt)  # the first compiled call shards the parameters
+    tokens = compiled.generate(prompt, max_new_tokens=6, do_sample=False)
+    expected = ref.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, expected), (tokens, expected)
+
+
+def test_hf_generate_on_a_compiled_sharded_model_returns_one_process_tokens():
+    run_distributed(_generate, WORLD)
+
+
+def _unshard(rank: int, world: int) -> None:
+    ref = init_std(Llama(LlamaConfig()))
+    model = copy.deepcopy(ref)
+    fsdp_pass.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    identities = [id(p) for p in model.parameters()]
+
+    with fsdp_pass.unshard(model):
+        state = model.state_dict()
+        for name, p in ref.state_dict().items():
+            assert torch.equal(state[name], p), name
+        assert not any(isinstance(p, RaggedShardTensor) for p in model.parameters())
+        with pytest.raises(ValueError, match="already unsharded"):
+            with fsdp_pass.unshard(model):
+                pass
+    assert [id(p) for p in model.parameters()] == identities
+    assert all(isinstance(p, RaggedShardTensor) for p in model.parameters())
+
+    with fsdp_pass.unshard(model, writeback=True):  # weight surgery
+        with torch.no_grad():
+            model.layers[1].attn.wo.weight.zero_()
+            model.norm.weight.mul_(2)
+    with torch.no_grad():
+        ref.layers[1].attn.wo.weight.zero_()
+        ref.norm.weight.mul_(2)
+    tokens = _batch(0, world, ref.cfg)
+    with torch.no_grad():
+        assert _rel(model(tokens), ref(tokens)) <= TOLERANCE
+
+    with pytest.raises(KeyError):  # the body raises: nothing written back, shards restored
+        with fsdp_pass.unshard(model, writeback=True):
+            with torch.no_grad():
+                model.norm.weight.fill_(7)
+            raise KeyError("boom")
+    assert all(isinstance(p, RaggedShardTensor) for p in model.parameters())
+    with torch.no_grad():
+        assert _rel(model(tokens), ref(tokens)) <= TOLERANCE
+
+    lm_loss(model(tokens.chunk(world)[rank]), tokens.chunk(world)[rank]).backward()
+    opt.step()  # the optimizer's handles are still the parameters
+
+    plain = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="has no sharded parameters"):
+        with fsdp_pass.unshard(plain):
+            pass
+
+
+def test_unshard_gives_whole_parameters_and_restores_the_shards():
+    run_distributed(_unshard, WORLD)
+
+
+def _compiled_call_inside_unshard(rank: int, world: int) -> None:
+    model = init_std(Llama(LlamaConfig()))
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    tokens = _batch(0, world, model.cfg)
+    compiled(tokens)
+    with fsdp_pass.unshard(model):
+        with pytest.raises(Exception, match="inside fsdp_pass.unshard"):
+            compiled(tokens)
+
+
+def test_compiled_call_inside_unshard_is_refused():
+    run_distributed(_compiled_call_inside_unshard, WORLD)
