@@ -22,6 +22,7 @@ boundary moves; nothing moves when every boundary falls between slices).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -115,8 +116,43 @@ def _global_shape(tensor) -> torch.Size:
     return tensor._spec.global_shape or tensor.shape
 
 
+def _save_call():
+    """``(storage_writer, no_dist)`` of the ``torch.distributed.checkpoint.save`` being planned, if found."""
+    frame = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_save_state_dict" and "storage_writer" in frame.f_locals:
+            return frame.f_locals["storage_writer"], bool(frame.f_locals.get("no_dist", False))
+        frame = frame.f_back
+    return None, False
+
+
+def _refuse_unsupported_save(fqn: str, tensor) -> None:
+    """Raise for the saves of a sharded tensor that could only write an incomplete checkpoint."""
+    if tensor._spec.world_size <= 1:
+        return
+    writer, no_dist = _save_call()
+    if no_dist:
+        raise ValueError(
+            f"{fqn} is sharded over {tensor._spec.world_size} ranks and cannot be saved with no_dist=True, "
+            "which saves this process's piece alone; call dcp.save on every rank, or save "
+            "fsdp_pass.get_full_state_dict(model) on rank 0 with no_dist=True"
+        )
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    if isinstance(writer, HuggingFaceStorageWriter) and not writer.save_distributed:
+        raise ValueError(
+            f"{fqn} is sharded over {tensor._spec.world_size} ranks, but HuggingFaceStorageWriter("
+            "save_distributed=False) has every rank write the same file, which keeps only parts of the "
+            "model; pass save_distributed=True (with enable_consolidation=True for one Hugging Face "
+            "checkpoint), or save fsdp_pass.get_full_state_dict(model) on rank 0 with no_dist=True"
+        )
+
+
 def create_write_items(fqn: str, tensor) -> list[WriteItem]:
     """The one box this rank writes (see the module docstring); remembered for :func:`get_tensor_shard`."""
+    _refuse_unsupported_save(fqn, tensor)
     box = _plan_save_box(tensor)
     setattr(tensor, _SAVE_BOX, box)
     if box is None:
