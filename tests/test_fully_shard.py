@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.runtime.dbuffer import DBuffer
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
 from fsdp_pass.runtime.sharding import ShardingConfig, bucket_of, is_sharded, shard_parameters
-from models import MLP, Llama, LlamaConfig
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig
 
 
 def _seeded(build):

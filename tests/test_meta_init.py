@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.runtime.sharding import bucket_of
 
 
