@@ -39,21 +39,24 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
+try:
+    import fsdp_pass  # noqa: F401  (installed, or on PYTHONPATH)
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+
+from fsdp_pass.testing.spawn import RankFailed, run_distributed  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "train.py"
 RESULTS = ROOT / "benchmarks" / "results"
 LAYOUTS = ("planned", "element", "even")
@@ -241,63 +244,34 @@ def _buffers(model):
     return list(seen.values())
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, cfg: dict) -> list[dict]:
+    """One rank's measurements of every optimizer and layout in ``cfg`` (its process group up)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        train = load_example()
-        rows = []
-        for optimizer in cfg["optimizers"]:
-            reference = None
-            for layout in cfg["layouts"]:
-                row = measure(train, optimizer, layout, mesh, rank, world, cfg["warmup"], cfg["steps"])
-                final = row.pop("_final")
-                if reference is None:
-                    reference = final
-                row["params_equal_to_first_layout"] = bool(torch.equal(final, reference))
-                row["max_abs_param_diff_to_first_layout"] = float((final - reference).abs().max())
-                rows.append(row)
-        if rank == 0:
-            queue.put(("ok", rows))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    train = load_example()
+    rows = []
+    for optimizer in cfg["optimizers"]:
+        reference = None
+        for layout in cfg["layouts"]:
+            row = measure(train, optimizer, layout, mesh, rank, world, cfg["warmup"], cfg["steps"])
+            final = row.pop("_final")
+            if reference is None:
+                reference = final
+            row["params_equal_to_first_layout"] = bool(torch.equal(final, reference))
+            row["max_abs_param_diff_to_first_layout"] = float((final - reference).abs().max())
+            rows.append(row)
+    return rows
 
 
 def run_world(world: int, cfg: dict, timeout: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), cfg, queue), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        results = []
-        while not queue.empty():
-            results.append(queue.get())
-    errors = [r[1] for r in results if r[0] == "error"]
-    if errors:
-        raise SystemExit(errors[0])
-    ok = [r[1] for r in results if r[0] == "ok"]
-    if not ok:
-        raise SystemExit(f"{world} ranks: no result within {timeout} s (exit codes {[p.exitcode for p in procs]})")
-    return ok[0]
+    """Rank 0's rows of ``world`` ranks; exits with the failing rank's traceback or at the timeout."""
+    try:
+        return run_distributed(_worker, world, cfg, timeout=timeout, pg_timeout=300, pin_cores=True)[0]
+    except RankFailed as error:
+        raise SystemExit(f"rank {error.rank}:\n{error.details}") from None
+    except TimeoutError as error:
+        raise SystemExit(f"{world} ranks: {error}") from None
 
 
 def kib(b: float) -> str:

@@ -47,6 +47,7 @@ except ImportError:
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from fsdp_pass.testing.fake_pg import fake_process_group  # noqa: E402
+from fsdp_pass.testing.models import RMSNorm  # noqa: E402
 from fsdp_pass.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
 from fsdp_pass.passes.pipeline import run_passes  # noqa: E402
@@ -61,16 +62,6 @@ ADAMW_STATES = 2  # exp_avg, exp_avg_sq: torch.optim.AdamW keeps them in the par
 # ---------------------------------------------------------------------------------------------
 # Models: model_configs' names and shapes, with a forward
 # ---------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class MLP(nn.Module):

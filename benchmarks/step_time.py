@@ -13,8 +13,8 @@ One invocation runs, on the same model, data and per-rank batch, every system in
 * ``fsdp_pass_*``  ``torch.compile(model, backend="vescale")`` with ``compiler`` aot_eager / inductor and
                    overlap on (``prefetch=1``) / off (``prefetch=0``).
 
-Each system runs in fresh processes (``torch.multiprocessing`` spawn, gloo, ``file://`` init, 120 s
-process-group timeout), each rank pinned to core ``rank % cpu_count`` with one thread. Per system:
+Each system runs in fresh processes (``fsdp_pass.testing.spawn``: spawn, gloo, ``file://`` init, 120 s
+process-group timeout), each rank pinned to its own core (round robin) with one thread. Per system:
 warm-up steps (the first compiles; compile time is reported, not counted), then measured steps
 (forward + backward + AdamW step + zero_grad), then one profiled step (memory, copies, overlap).
 
@@ -37,10 +37,7 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,10 +48,25 @@ except ImportError:
     sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from _bench_models import CONFIGS, QUICK_CONFIGS, build, batch, lm_loss  # noqa: E402
 from _systems import SYSTEMS, simplefsdp_import_error  # noqa: E402
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss, random_tokens  # noqa: E402
+from fsdp_pass.testing.spawn import RankFailed, run_distributed  # noqa: E402
+
+# The MoE keeps its experts as three stacked 3-D parameters, computed by batched products.
+_MOE = dict(stacked_experts=True, batched_experts=True)
+# Sizes chosen so that one run of every system (compile included) fits in about 10 minutes on two
+# loaded cores; ``--quick`` is for checking that everything runs.
+CONFIGS = {
+    "llama": LlamaConfig(vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, ffn=704, seq=128, tie_embeddings=False),
+    "moe": LlamaConfig(vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, ffn=256, seq=128, experts=4, top_k=2,
+                       tie_embeddings=False, **_MOE),
+}
+QUICK_CONFIGS = {
+    "llama": LlamaConfig(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, ffn=176, seq=32, tie_embeddings=False),
+    "moe": LlamaConfig(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, ffn=64, seq=32, experts=4, top_k=2,
+                       tie_embeddings=False, **_MOE),
+}
 
 PER_RANK_BATCH = {"llama": 4, "moe": 4}
 QUICK_BATCH = 2
@@ -86,178 +98,142 @@ def _compiler_warmup() -> None:
     torch._dynamo.reset()
 
 
-def _worker(rank: int, world: int, key: str, args: dict, outdir: str) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, key: str, args: dict) -> dict:
+    """One rank of system ``key`` (in a spawned process, its process group up): its measurements."""
     import _measure as M
     from _systems import barrier, build_system, fsdp_pass_graphs
 
-    try:
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
-        torch.set_num_threads(1)
-        system = SYSTEMS[key]
-        if system.distributed:
-            dist.init_process_group("gloo", init_method=f"file://{outdir}/init", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=120))
-        if system.inductor:
-            torch._inductor.config.cpp.enable_kernel_profile = True  # kernels show up in the profiler
-        _compiler_warmup()
-        M.trim()
-        rss0 = M.rss_bytes()
+    system = SYSTEMS[key]
+    if system.inductor:
+        torch._inductor.config.cpp.enable_kernel_profile = True  # kernels show up in the profiler
+    _compiler_warmup()
+    M.trim()
+    rss0 = M.rss_bytes()
 
-        cfg = (QUICK_CONFIGS if args["quick"] else CONFIGS)[args["model"]]
-        model = build(cfg)
-        n_params = sum(p.numel() for p in model.parameters())
-        graphs: dict = {}
-        model, notes = build_system(system, model, world, lambda name, gm: graphs.__setitem__(name, gm))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        bs = args["batch"]
+    cfg = (QUICK_CONFIGS if args["quick"] else CONFIGS)[args["model"]]
+    model = init_std(Llama(cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    graphs: dict = {}
+    model, notes = build_system(system, model, world, lambda name, gm: graphs.__setitem__(name, gm))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    bs = args["batch"]
 
-        losses = []
+    losses = []
 
-        from torch.profiler import record_function
+    from torch.profiler import record_function
 
-        phases: list[tuple[float, float, float]] = []
+    phases: list[tuple[float, float, float]] = []
 
-        def step(i: int) -> None:
-            tokens = batch(cfg, bs, rank, i)
-            t0 = time.perf_counter()
-            with record_function(M.PHASES[0]):
-                loss = lm_loss(model(tokens), tokens)
-            t1 = time.perf_counter()
-            with record_function(M.PHASES[1]):
-                loss.backward()
-            t2 = time.perf_counter()
-            with record_function(M.PHASES[2]):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-            losses.append(loss.item())
-
+    def step(i: int) -> None:
+        tokens = random_tokens(cfg, bs, seed=1000 * i + rank)  # this rank's slice of a seeded global batch
         t0 = time.perf_counter()
-        step(0)
-        compile_s = time.perf_counter() - t0
-        warm_times = []
-        for i in range(1, args["warmup"]):
-            t0 = time.perf_counter()
-            step(i)
-            warm_times.append(time.perf_counter() - t0)
+        with record_function(M.PHASES[0]):
+            loss = lm_loss(model(tokens), tokens)
+        t1 = time.perf_counter()
+        with record_function(M.PHASES[1]):
+            loss.backward()
+        t2 = time.perf_counter()
+        with record_function(M.PHASES[2]):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        losses.append(loss.item())
 
-        M.trim()
+    t0 = time.perf_counter()
+    step(0)
+    compile_s = time.perf_counter() - t0
+    warm_times = []
+    for i in range(1, args["warmup"]):
+        t0 = time.perf_counter()
+        step(i)
+        warm_times.append(time.perf_counter() - t0)
+
+    M.trim()
+    barrier()
+    M.reset_peak_rss()
+    times = []
+    del phases[:]
+    for i in range(args["steps"]):
+        t0 = time.perf_counter()
+        step(args["warmup"] + i)
+        times.append(time.perf_counter() - t0)
+    peak_rss = M.peak_rss_bytes() - rss0
+    timed_phases = list(phases)
+
+    # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
+    # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
+    # the allocator records, so their release during the analysed step is seen too.
+    from torch.profiler import ProfilerActivity, profile
+
+    M.trim()
+    barrier()
+    n = args["warmup"] + args["steps"]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+        step(n)
+        persistent = M.live_tensor_bytes()
+        if key == "ddp":  # the reducer's flat gradient buckets live in C++, out of the Python walk
+            persistent += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         barrier()
-        M.reset_peak_rss()
-        times = []
-        del phases[:]
-        for i in range(args["steps"]):
+        with record_function(M.STEP_SCOPE):
             t0 = time.perf_counter()
-            step(args["warmup"] + i)
-            times.append(time.perf_counter() - t0)
-        peak_rss = M.peak_rss_bytes() - rss0
-        timed_phases = list(phases)
+            step(n + 1)
+            profiled_s = time.perf_counter() - t0
+    events = prof.events()
+    window = M.step_window(events)
+    main_tid = next(e.thread for e in events if e.name == M.STEP_SCOPE)
+    prof_stats = M.analyze_profile(events, main_tid, window)
+    transient = M.in_step_peak_bytes(prof)
 
-        # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
-        # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
-        # the allocator records, so their release during the analysed step is seen too.
-        from torch.profiler import ProfilerActivity, profile
+    graph_copies = {"bytes": 0, "ops": {}}
+    if system.compiled_fsdp:
+        if system.fsdp_pass is not None:
+            graphs.update(fsdp_pass_graphs())
+            from fsdp_pass.backend import records
 
-        M.trim()
-        barrier()
-        n = args["warmup"] + args["steps"]
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
-            step(n)
-            persistent = M.live_tensor_bytes()
-            if key == "ddp":  # the reducer's flat gradient buckets live in C++, out of the Python walk
-                persistent += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            barrier()
-            with record_function(M.STEP_SCOPE):
-                t0 = time.perf_counter()
-                step(n + 1)
-                profiled_s = time.perf_counter() - t0
-        events = prof.events()
-        window = M.step_window(events)
-        main_tid = next(e.thread for e in events if e.name == M.STEP_SCOPE)
-        prof_stats = M.analyze_profile(events, main_tid, window)
-        transient = M.in_step_peak_bytes(prof)
-
-        graph_copies = {"bytes": 0, "ops": {}}
-        if system.compiled_fsdp:
-            if system.fsdp_pass is not None:
-                graphs.update(fsdp_pass_graphs())
-                from fsdp_pass.backend import records
-
-                notes["buckets"] = [repr(b) for rec in records() for b in rec.buffers]
+            notes["buckets"] = [repr(b) for rec in records() for b in rec.buffers]
+        for name, gm in graphs.items():
+            g = M.graph_copy_bytes(gm, inductor=system.inductor)
+            graph_copies["bytes"] += g["bytes"]
+            for k, v in g["ops"].items():
+                graph_copies["ops"][k] = graph_copies["ops"].get(k, 0) + v
+        graph_copies["graphs"] = sorted(graphs)
+        if args.get("dump") and rank == 0:
+            os.makedirs(args["dump"], exist_ok=True)
             for name, gm in graphs.items():
-                g = M.graph_copy_bytes(gm, inductor=system.inductor)
-                graph_copies["bytes"] += g["bytes"]
-                for k, v in g["ops"].items():
-                    graph_copies["ops"][k] = graph_copies["ops"].get(k, 0) + v
-            graph_copies["graphs"] = sorted(graphs)
-            if args.get("dump") and rank == 0:
-                os.makedirs(args["dump"], exist_ok=True)
-                for name, gm in graphs.items():
-                    Path(args["dump"], f"{key}_{name}.txt").write_text(
-                        gm.print_readable(print_output=False, include_stride=False, include_device=False))
+                Path(args["dump"], f"{key}_{name}.txt").write_text(
+                    gm.print_readable(print_output=False, include_stride=False, include_device=False))
 
-        result = {
-            "rank": rank,
-            "params": n_params,
-            "compile_s": compile_s,
-            "warmup_s": warm_times,
-            "times_s": times,
-            "phases_s": timed_phases,
-            "profiled_step_s": profiled_s,
-            "losses": losses,
-            "peak_rss_bytes": peak_rss,
-            "rss_baseline_bytes": rss0,
-            "persistent_tensor_bytes": persistent,
-            "in_step_peak_bytes": transient,
-            "graph_copies": graph_copies,
-            "notes": notes,
-            **prof_stats,
-        }
-        with open(f"{outdir}/result_{rank}.json", "w") as f:
-            json.dump(result, f)
-    except BaseException:
-        with open(f"{outdir}/error_{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "params": n_params,
+        "compile_s": compile_s,
+        "warmup_s": warm_times,
+        "times_s": times,
+        "phases_s": timed_phases,
+        "profiled_step_s": profiled_s,
+        "losses": losses,
+        "peak_rss_bytes": peak_rss,
+        "rss_baseline_bytes": rss0,
+        "persistent_tensor_bytes": persistent,
+        "in_step_peak_bytes": transient,
+        "graph_copies": graph_copies,
+        "notes": notes,
+        **prof_stats,
+    }
 
 
 def run_system(key: str, args: dict, timeout_s: float) -> dict:
     system = SYSTEMS[key]
     world = args["world_size"] if system.distributed else 1
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix=f"step_time_{key}_") as outdir:
-        procs = [ctx.Process(target=_worker, args=(r, world, key, args, outdir), daemon=True) for r in range(world)]
-        t0 = time.time()
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(max(1.0, timeout_s - (time.time() - t0)))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        errors = {}
-        for r in range(world):
-            path = Path(outdir, f"error_{r}.txt")
-            if path.exists():
-                errors[r] = path.read_text()
-        results = []
-        for r in range(world):
-            path = Path(outdir, f"result_{r}.json")
-            if path.exists():
-                results.append(json.loads(path.read_text()))
-        wall = time.time() - t0
-    if errors or hung or len(results) != world:
-        msg = next(iter(errors.values()), "") if errors else f"ranks {hung} did not finish in {timeout_s:.0f} s"
+    t0 = time.time()
+    try:
+        results = run_distributed(_worker, world, key, args, timeout=timeout_s, pg_timeout=120,
+                                  backend="gloo" if system.distributed else None, pin_cores=True)
+    except (RankFailed, TimeoutError) as error:
+        msg = error.details if isinstance(error, RankFailed) else str(error)
         return {"key": key, "label": system.label, "error": msg.strip().splitlines()[-1] if msg else "failed",
-                "traceback": msg, "wall_s": wall}
-    return summarize(key, results, wall)
+                "traceback": msg, "wall_s": time.time() - t0}
+    return summarize(key, results, time.time() - t0)
 
 
 def summarize(key: str, ranks: list[dict], wall: float) -> dict:

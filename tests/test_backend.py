@@ -12,11 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.backend import records
 from fsdp_pass.passes.schedule import GATHER_CHAIN_OPS
 from fsdp_pass.runtime.dbuffer import bucket_of
-from models import MLP, Llama, LlamaConfig, lm_loss
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, lm_loss
 
 _c10d = torch.ops._c10d_functional
 _COPY_OPS = {torch.ops.aten.cat.default, torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
@@ -246,11 +246,10 @@ def test_in_place_write_to_parameter_in_forward_raises():
 
 
 def test_fake_process_group_plans_and_compiles_1024_ranks():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fsdp_pass.testing.fake_pg import fake_process_group
 
     torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=1024)
-    try:
+    with fake_process_group(1024, rank=5):
         cfg = LlamaConfig(dim=64, ffn=128)
         model = Llama(cfg)
         total = sum(p.numel() for p in model.parameters())
@@ -264,8 +263,6 @@ def test_fake_process_group_plans_and_compiles_1024_ranks():
         assert per_rank * 1024 == total + padding
         for b in buffers:
             b.layout.validate()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_records_let_a_deleted_model_go():

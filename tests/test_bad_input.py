@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 
 
 class Params(nn.Module):

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.optim import AdamW8bit, Muon, muon_param_groups
-from models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
 GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 4, 3, 3
 

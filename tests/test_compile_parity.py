@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
-from models import MLP, Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss
 from parity import Case, run_case
 
 TOLERANCE = 1e-5  # fp32, relative to the largest value; reached values are printed by each case

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.runtime.ragged_tensor import ragged_part
 from fsdp_pass.runtime.dbuffer import is_sharded
-from models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 8
 TOLERANCE = 1e-5  # relative; sums over TP/EP ranks add in another order than one process does

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor

@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import fsdp_pass
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
-from dist_harness import run_distributed
-from models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
 TOLERANCE = 1e-5  # fp32, relative to the largest value
 WORLD = 2

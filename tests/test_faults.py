@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass  # noqa: F401  (registers the backend in spawned ranks)
-from dist_harness import run_distributed
-from models import MLP
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import MLP
 
 
 def _train(compiled, opt, rank: int, world: int, steps: int, poison_step: int | None = None) -> list[float]:

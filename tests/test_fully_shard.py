@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.runtime.dbuffer import DBuffer
 from fsdp_pass.runtime.mesh import ShardingMesh
@@ -21,7 +21,7 @@ from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
 from fsdp_pass.sharding.buckets import ShardingConfig
 from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
 from fsdp_pass.sharding.materialize import shard_parameters
-from models import MLP, Llama, LlamaConfig
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig
 
 
 def _seeded(build):

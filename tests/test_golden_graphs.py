@@ -9,10 +9,10 @@ import expecttest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_pass  # noqa: F401  (registers the backend)
 from fsdp_pass.backend import records
+from fsdp_pass.testing.fake_pg import fake_process_group
 
 
 class TwoLayer(nn.Module):
@@ -27,8 +27,7 @@ class TwoLayer(nn.Module):
 class GoldenGraphs(expecttest.TestCase):
     def test_rewritten_graph(self):
         torch._dynamo.reset()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        try:
+        with fake_process_group(2):
             before = set(map(id, records()))
             compiled = torch.compile(TwoLayer(), backend="vescale", options={"compiler": "aot_eager", "min_bucket_bytes": 0})
             compiled(torch.randn(3, 6))
@@ -51,5 +50,3 @@ def forward(self, bucket0_shard, bucket1_shard, L_x_ : torch.Tensor):
     view_default_2 = torch.ops.aten.view.default(getitem_2, [4, 10]);  getitem_2 = None
     linear_1 = torch._C._nn.linear(relu, view_default_2, None);  relu = view_default_2 = None
     return (linear_1,)""")
-        finally:
-            dist.destroy_process_group()

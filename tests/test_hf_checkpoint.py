@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fsdp_pass
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.placement import flat_range_boxes
 from fsdp_pass.runtime.checkpoint import save_rows
 

@@ -8,8 +8,8 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_pass
-from dist_harness import run_distributed
 from fsdp_pass.runtime.dbuffer import bucket_of
+from fsdp_pass.testing.spawn import run_distributed
 
 
 class Stack(nn.Module):

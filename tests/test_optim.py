@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_harness import run_distributed
-from models import MLP
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import MLP
 from parity import Case, run_case
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups

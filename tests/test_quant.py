@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.quant import (
     BLOCK_QUANTIZE_OPS,

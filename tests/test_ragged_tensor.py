@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.placement import RaggedShard
 from fsdp_pass.runtime import RaggedShardTensor, RaggedSpec, distribute_tensor
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from dist_harness import run_distributed
+from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.backend import records
-from models import MLP
+from fsdp_pass.testing.models import MLP
 
 _c10d = torch.ops._c10d_functional
 _COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}

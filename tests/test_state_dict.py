@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass
-from dist_harness import run_distributed
-from models import Llama, LlamaConfig, init_std
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std
 
 
 def _worker(rank: int, world: int) -> None:

@@ -1,21 +1,36 @@
-"""Small models for parity tests: an MLP, a llama-style transformer and a mixture-of-experts model."""
+"""Reference models for the tests and benchmarks: an MLP and a small llama-style transformer.
+
+The transformer (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) has a dense feed-forward
+or a mixture of experts. Every MoE variant computes every expert on every token, weighted by a top-k
+softmax gate (zero for unchosen experts): static shapes and no data-dependent routing, so one graph
+compiles without breaks, at ``experts / top_k`` times the FLOPs of a sparse MoE.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+__all__ = [
+    "MLP", "LlamaConfig", "RMSNorm", "rope", "Attention", "SwiGLU", "MoE", "StackedMoE", "Block", "Llama",
+    "lm_loss", "init_std", "random_tokens",
+]
+
+
 class MLP(nn.Module):
-    def __init__(self, dims=(19, 37, 23, 5)):
+    """Linear layers of widths ``dims`` with ReLU between them."""
+
+    def __init__(self, dims: Sequence[int] = (19, 37, 23, 5)) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
@@ -25,6 +40,8 @@ class MLP(nn.Module):
 
 @dataclass
 class LlamaConfig:
+    """Sizes and variants of :class:`Llama` (the defaults are the tests' tiny model)."""
+
     vocab: int = 61
     dim: int = 32
     layers: int = 2
@@ -35,27 +52,37 @@ class LlamaConfig:
     experts: int = 0  # > 0: mixture-of-experts feed-forward
     top_k: int = 2
     stacked_experts: bool = False  # experts as 3-D weights (StackedMoE, expert parallel) instead of modules
+    batched_experts: bool = False  # with stacked_experts: one batched product per weight, not a loop over experts
     tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batched_experts and not self.stacked_experts:
+            raise ValueError("batched_experts computes stacked experts: set stacked_experts=True too")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """Root-mean-square normalization over the last dimension, with a learned scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding: rotate pairs of ``x``'s last dimension by the angles ``freqs``."""
     x1, x2 = x[..., ::2], x[..., 1::2]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Causal grouped-query attention with rotary embeddings."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.dim // cfg.heads
         self.wq = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
@@ -63,7 +90,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, freqs):
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank has heads / tp of them.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -77,26 +104,28 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    """The gated feed-forward ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class MoE(nn.Module):
-    """Top-k routed experts, computed densely (every expert on every token, weighted) for determinism."""
+    """Top-k routed experts as :class:`SwiGLU` modules, computed densely (every expert on every token, weighted)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.dim, cfg.ffn) for _ in range(cfg.experts))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = self.router(x).softmax(-1)
         weights, chosen = scores.topk(self.top_k, dim=-1)
         gate = torch.zeros_like(scores).scatter(-1, chosen, weights)
@@ -104,7 +133,9 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """One transformer layer: pre-norm attention and pre-norm feed-forward (dense or MoE), both residual."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim)
         self.attn = Attention(cfg)
@@ -114,13 +145,15 @@ class Block(nn.Module):
         else:
             self.ffn = SwiGLU(cfg.dim, cfg.ffn)
 
-    def forward(self, x, freqs):
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), freqs)
         return x + self.ffn(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """A llama-style decoder: token embedding, ``cfg.layers`` blocks, final norm, output head (logits)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
@@ -133,7 +166,7 @@ class Llama(nn.Module):
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("freqs", torch.outer(torch.arange(cfg.seq).float(), inv), persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         freqs = self.freqs[: tokens.shape[1], None, :]
         for layer in self.layers:
@@ -142,11 +175,16 @@ class Llama(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ``logits`` for ``tokens`` (each position predicts the next token)."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def init_std(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Deterministic, scale-aware initialisation independent of module construction order."""
+    """Deterministic, scale-aware initialisation independent of module construction order.
+
+    Every parameter of two or more dimensions is drawn, in ``named_parameters`` order, from a generator
+    seeded with ``seed`` and scaled by ``1 / sqrt(fan_in)``; the others keep their values. Returns ``model``.
+    """
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -155,28 +193,36 @@ def init_std(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
+def random_tokens(cfg: LlamaConfig, batch: int, seed: int) -> torch.Tensor:
+    """A ``(batch, cfg.seq)`` batch of token ids drawn from a generator seeded with ``seed``."""
+    return torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=torch.Generator().manual_seed(seed))
+
+
 class StackedMoE(nn.Module):
     """Top-k routed experts with stacked weights ``(experts, out, in)``, computed densely.
 
     Under expert parallelism the weights are DTensors split ``Shard(0)`` over an EP mesh: each EP
     rank gathers the tokens of its EP group, applies its own experts, and the partial outputs are
-    reduce-scattered back to the tokens' ranks.
+    reduce-scattered back to the tokens' ranks. With ``cfg.batched_experts`` (plain tensors only) the
+    experts are computed by one batched product per weight instead of a loop over the experts.
     """
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.top_k = cfg.top_k
+        self.top_k, self.batched = cfg.top_k, cfg.batched_experts
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
         self.w1 = nn.Parameter(torch.randn(cfg.experts, cfg.ffn, cfg.dim) / math.sqrt(cfg.dim))
         self.w3 = nn.Parameter(torch.randn(cfg.experts, cfg.ffn, cfg.dim) / math.sqrt(cfg.dim))
         self.w2 = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.ffn) / math.sqrt(cfg.ffn))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         scores = self.router(x).softmax(-1)
         weights, chosen = scores.topk(self.top_k, dim=-1)
         gate = torch.zeros_like(scores).scatter(-1, chosen, weights)
+        if self.batched:
+            return self._batched(x, gate)
         w1, w2, w3 = self.w1, self.w2, self.w3
         first = 0
         if isinstance(w1, DTensor):  # expert parallel: this rank's experts on the EP group's tokens
@@ -193,3 +239,11 @@ class StackedMoE(nn.Module):
         if isinstance(self.w1, DTensor):
             out = DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()
         return out
+
+    def _batched(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token as batched products over the stacked weights, summed by ``gate``."""
+        b, s, d = x.shape
+        t = x.reshape(1, b * s, d)
+        h = F.silu(torch.matmul(t, self.w1.transpose(1, 2))) * torch.matmul(t, self.w3.transpose(1, 2))
+        y = torch.matmul(h, self.w2.transpose(1, 2))  # (experts, b * s, d)
+        return torch.einsum("etd,te->td", y, gate.reshape(b * s, -1)).view(b, s, d)

@@ -1,0 +1,139 @@
+"""Run a function on N ranks in fresh spawned processes, with a hard timeout: never a hang.
+
+Each rank is a new process (``spawn``) with one OpenMP/intra-op thread, joined into a process group
+(gloo by default) through a ``file://`` rendezvous. The parent watches every rank's result pipe and
+exit together: the first rank that raises (or dies with a non-zero exit code) ends the run at once,
+and the other ranks are killed, even while they wait in a collective that can no longer complete.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailed", "run_distributed"]
+
+_OK, _ERROR = "ok", "error"
+
+
+class RankFailed(AssertionError):
+    """Rank ``rank`` raised (``details`` is its traceback) or exited with a non-zero code."""
+
+    def __init__(self, rank: int, details: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, conn: Connection,
+            pg_timeout: float, backend: str | None, pin_cores: bool) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        if pin_cores:
+            cpus = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+        if backend is not None:
+            dist.init_process_group(
+                backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout),
+            )
+        conn.send((_OK, fn(rank, world_size, *args)))
+    except BaseException:
+        conn.send((_ERROR, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # The body passed and the group is gone. Skip interpreter finalization: on a loaded machine a
+    # C++ thread left by gloo or Dynamo is sometimes still joinable there and aborts the process
+    # ("terminate called without an active exception"), which would read as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _supervise(procs: list, conns: list[Connection], timeout: float) -> list[Any]:
+    """Each rank's result once all exited cleanly; raise on the first failure or at the deadline."""
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * len(procs)
+    unread = dict(enumerate(conns))  # ranks whose message (or end of pipe) has not been read
+    running = dict(enumerate(procs))
+
+    def read(rank: int) -> None:
+        conn = unread.pop(rank)
+        try:
+            status, value = conn.recv()
+        except EOFError:  # the rank left without a word (os._exit): its exit code decides
+            return
+        if status == _ERROR:
+            raise RankFailed(rank, value)
+        results[rank] = value
+
+    while running:
+        ready = wait([*unread.values(), *(p.sentinel for p in running.values())],
+                     timeout=max(0.0, deadline - time.monotonic()))
+        if not ready and time.monotonic() >= deadline:
+            raise TimeoutError(f"ranks {sorted(running)} did not finish within {timeout} s")
+        for rank in [r for r, conn in unread.items() if conn.poll()]:
+            read(rank)
+        for rank, proc in list(running.items()):
+            if proc.exitcode is None:
+                continue
+            if rank in unread and unread[rank].poll():  # its traceback, if it sent one before exiting
+                read(rank)
+            del running[rank]
+            if proc.exitcode != 0:
+                raise RankFailed(rank, f"exited with code {proc.exitcode}")
+    return results
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
+                    pg_timeout: float = 60, backend: str | None = "gloo", pin_cores: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return each rank's result.
+
+    ``fn`` must be a module-level function and its arguments and return value picklable (they cross
+    process boundaries). Each rank joins a ``backend`` process group first (``None``: no group) whose
+    collectives time out after ``pg_timeout`` seconds; ``pin_cores`` pins rank ``r`` to the ``r``-th
+    core this process may use (round robin). ``timeout`` bounds the whole run.
+
+    Raises :class:`RankFailed` (an ``AssertionError``) with the rank's traceback as soon as one rank
+    raises or exits with a non-zero code, and ``TimeoutError`` if ranks are still running at the
+    deadline; either way the remaining ranks are killed. A rank that exits with code 0 without
+    returning (``os._exit(0)``) counts as passed, with result ``None``.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores))
+            for r in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            for _, send in pipes:
+                send.close()  # the children hold the write ends: a dead child reads as end of pipe
+            return _supervise(procs, [recv for recv, _ in pipes], timeout)
+        finally:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
+                if p.is_alive():
+                    p.kill()
+            for p in started:
+                p.join()
+            for recv, send in pipes:
+                recv.close()
+                send.close()
