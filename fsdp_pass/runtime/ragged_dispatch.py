@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import collectives
+from .dbuffer import bucket_of
 from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import RaggedShardTensor, RaggedSpec
 
@@ -191,11 +192,11 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
     Plain tensors may join only as 0-dim scalars: a plain tensor with dims has no piece to pair
     with this rank's piece.
     """
-    spec = None
+    spec = first = None
     for value in values:
         if isinstance(value, RaggedShardTensor):
             if spec is None:
-                spec = value._spec
+                spec, first = value._spec, value
             elif value._spec is not spec and value._spec != spec:
                 raise ValueError(
                     f"{_op_name(func)}: cannot combine RaggedShard tensors of different layouts "
@@ -205,7 +206,7 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
         for value in values:
             if isinstance(value, torch.Tensor) and not isinstance(value, RaggedShardTensor) and value.dim() != 0:
                 raise ValueError(
-                    f"{_op_name(func)}: cannot combine a RaggedShardTensor ({spec.describe()}) with a plain "
+                    f"{_op_name(func)}: cannot combine a RaggedShardTensor ({_describe(first)}) with a plain "
                     f"tensor of shape {tuple(value.shape)}; only Python scalars and 0-dim tensors mix with "
                     f"RaggedShard pieces. Shard it first (distribute_tensor with the same placement) "
                     f"or {_FULL_TENSOR_HINT}"
@@ -214,12 +215,17 @@ def _shared_spec(func, values: Sequence[Any]) -> RaggedSpec | None:
 
 
 def _unsupported(call: _OpCall) -> NotImplementedError:
-    layouts = "; ".join(t._spec.describe() for t in call.leaves if isinstance(t, RaggedShardTensor))
+    layouts = "; ".join(_describe(t) for t in call.leaves if isinstance(t, RaggedShardTensor))
     return NotImplementedError(
         f"{_op_name(call.func)} is not supported on RaggedShardTensor ({layouts}). Each rank holds only a flat "
         f"range of the tensor, so eagerly only elementwise ops, optimizer (_foreach_/_fused_) ops and full "
         f"reductions run on the pieces; {_FULL_TENSOR_HINT}"
     )
+
+
+def _describe(t: RaggedShardTensor) -> str:
+    """A piece's layout, led by its parameter's name when it is a sharded parameter."""
+    return f"parameter {bucket_of(t)[1]!r}: {t._spec.describe()}" if is_eager_gatherable(t) else t._spec.describe()
 
 
 def _unwrap(tree: Any) -> Any:
