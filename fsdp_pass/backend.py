@@ -14,6 +14,7 @@ parameters' RaggedShard ``.grad`` views.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +28,7 @@ from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import copy_dynamo_graph
 from .runtime.dbuffer import DBuffer
+from .runtime.rebind import ShardBinding
 
 __all__ = ["CompiledGraph", "records", "vescale"]
 
@@ -90,6 +92,15 @@ def _readable(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+def _warn_running_eagerly(first_parameter: str) -> None:
+    warnings.warn(
+        f"Dynamo reuses the graph compiled for {first_parameter!r} and its module for other parameters whose "
+        f"buckets are laid out differently, so that call runs eagerly (correct, slower). Give each compiled "
+        f"block its own bucket (fsdp_pass.fully_shard(model, min_bucket_bytes=0)) so one graph serves them all",
+        stacklevel=3,
+    )
+
+
 @register_backend
 def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
     """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it."""
@@ -114,12 +125,16 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record)
     _remember(record)
 
-    shards = [b.shard for b in rewritten.buffers]
-    buffers = rewritten.buffers
+    binding = ShardBinding(rewritten.dropped, [s.param for s in result.sites], rewritten.buffers, rewritten.configs)
+    eager_graph = gm  # Dynamo's own graph: parameters as inputs, run through the eager path
 
     def run(*args):
+        buffers = binding.buffers_for(args)  # [Note: one graph for identical blocks]
+        if buffers is None:
+            _warn_running_eagerly(result.sites[0].name)
+            return eager_graph(*args)
         for b in buffers:
             b.sync_grad_state()
-        return compiled(*shards, *(a for i, a in enumerate(args) if i not in dropped))
+        return compiled(*(b.shard for b in buffers), *(a for i, a in enumerate(args) if i not in dropped))
 
     return run

@@ -78,19 +78,26 @@ def test_eager_forward_backward_and_step_match_one_process():
     run_distributed(_eager_training, WORLD)
 
 
-def _per_block_compilation(rank: int, world: int, compiler: str) -> None:
-    ref = init_std(Llama(LlamaConfig()))
+def _per_block_compilation(rank: int, world: int, compiler: str, min_bucket_bytes: int | None) -> None:
+    from fsdp_pass.backend import records
+
+    ref = init_std(Llama(LlamaConfig(layers=3)))
     model = copy.deepcopy(ref)
-    fsdp_pass.fully_shard(model)  # the eager embedding, norm and head are sharded too
+    before = len(records())
+    fsdp_pass.fully_shard(model, min_bucket_bytes=min_bucket_bytes)  # the eager embedding, norm and head too
     for block in model.layers:
         block.compile(backend="vescale", options={"compiler": compiler})
     _train_side_by_side(rank, world, model, ref)
+    graphs = len(records()) - before
+    print(f"rank {rank}: {graphs} graph(s) compiled for {len(model.layers)} blocks (min_bucket_bytes={min_bucket_bytes})")
+    if min_bucket_bytes == 0:  # a bucket per block: one graph serves every block ([Note: one graph for identical blocks])
+        assert graphs == 1, graphs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_per_block_compilation_matches_one_process(compiler):
-    run_distributed(_per_block_compilation, WORLD, compiler)
+@pytest.mark.parametrize("compiler,min_bucket_bytes", [("aot_eager", 0), ("aot_eager", None), ("inductor", 0)])
+def test_per_block_compilation_matches_one_process(compiler, min_bucket_bytes):
+    run_distributed(_per_block_compilation, WORLD, compiler, min_bucket_bytes)
 
 
 def _blocks_compiled_alone(rank: int, world: int) -> None:

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ..runtime.dbuffer import DBuffer, gather_bucket
+from ..runtime.dbuffer import DBuffer, GatherConfig, gather_bucket
 from .detect import ParamSite
 
 __all__ = ["Rewritten", "copy_dynamo_graph", "rewrite_parameters"]
@@ -32,6 +32,7 @@ __all__ = ["Rewritten", "copy_dynamo_graph", "rewrite_parameters"]
 class Rewritten:
     gm: fx.GraphModule
     buffers: list[DBuffer]  # one new leading input per bucket, in this order
+    configs: list[GatherConfig]  # each bucket's gather arguments in the graph
     dropped: list[int]  # positions of the original inputs that were parameters
 
 
@@ -80,6 +81,7 @@ def rewrite_parameters(
 
     first_input = placeholders[0]
     new_inputs: list[DBuffer] = []
+    configs: list[GatherConfig] = []
     for key, members in used.items():
         buf = buffers[key]
         users = [u for s in members for u in placeholders[s.index].users]
@@ -91,13 +93,13 @@ def rewrite_parameters(
         shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
         new_inputs.append(buf)
         config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype)
+        configs.append(config)
         with graph.inserting_before(min(users, key=order.__getitem__)):
             full = graph.call_function(gather_bucket, (shard,), config._asdict())
             pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))
-            index_of = {name: i for i, (name, _) in enumerate(buf.layout.segments()) if name is not None}
             for site in members:
                 _, name = buckets[site.name]
-                piece = graph.call_function(operator.getitem, (pieces, index_of[name]))
+                piece = graph.call_function(operator.getitem, (pieces, buf.segment_index(name)))
                 view = graph.call_function(torch.ops.aten.view.default, (piece, list(buf.shapes[name])))
                 spec = buf.dtensor_specs.get(name)
                 if spec is not None:
@@ -107,4 +109,4 @@ def rewrite_parameters(
         graph.erase_node(placeholders[site.index])
     graph.lint()
     gm.recompile()
-    return Rewritten(gm, new_inputs, [s.index for s in sites])
+    return Rewritten(gm, new_inputs, configs, [s.index for s in sites])

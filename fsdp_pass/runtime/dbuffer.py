@@ -98,6 +98,7 @@ class DBuffer:
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}
+        self._segment_index: dict[str, int] | None = None  # parameter name → segment position (segment_index)
 
     # -- geometry ------------------------------------------------------------------------------
     @property
@@ -126,6 +127,12 @@ class DBuffer:
 
     def segment_sizes(self) -> list[int]:
         return [size for _, size in self.layout.segments()]
+
+    def segment_index(self, name: str) -> int:
+        """Position of ``name``'s segment among the bucket's segments (padding segments included)."""
+        if self._segment_index is None:
+            self._segment_index = {n: i for i, (n, _) in enumerate(self.layout.segments()) if n is not None}
+        return self._segment_index[name]
 
     def views(self, global_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every parameter as a view of the gathered global buffer (no copies)."""
