@@ -68,20 +68,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def _accumulate(rank: int, world: int, options: dict, layers: int = 2) -> dict:
+def _accumulate(rank: int, world: int, options: dict, layers: int = 2, mesh_shape=None) -> dict:
     """Train STEPS steps of MICRO_BATCHES micro-batches (all but the last in no_sync) against one
     process on the same global batch; assert parity and one reduce-scatter per trainable bucket per step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig(layers=layers)))
     reference = copy.deepcopy(model)
-    fsdp_pass.fully_shard(model, min_bucket_bytes=0)  # a bucket per block: several buckets to count
+    mesh = None
+    if mesh_shape is not None:  # HSDP: (replicate, shard)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape)
+        options = {**options, "mesh": mesh}
+    fsdp_pass.fully_shard(model, mesh, min_bucket_bytes=0)  # a bucket per block: several buckets to count
     graphs_before = _unique_graphs()
     compiled = torch.compile(model, backend="vescale", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     trainable = [b for b in _buffers(model) if b.shard.requires_grad]
-    expected_pending = sum(b.shard.numel() * world * 4 for b in trainable)
+    shard_world = world if mesh_shape is None else mesh_shape[-1]
+    expected_pending = sum(b.shard.numel() * shard_world * 4 for b in trainable)
     # Compile both graphs first (the profiler would also count the collectives traced while compiling);
     # no optimizer step, so training below starts from the same parameters as the reference.
     x = _batch(99, PER_MICRO)
@@ -134,9 +141,9 @@ def _accumulate(rank: int, world: int, options: dict, layers: int = 2) -> dict:
     }
 
 
-def _run(rank: int, world: int, cases: list[dict], layers: int = 2) -> None:
+def _run(rank: int, world: int, cases: list[dict], layers: int = 2, mesh_shape=None) -> None:
     for options in cases:
-        result = _accumulate(rank, world, options, layers)
+        result = _accumulate(rank, world, options, layers, mesh_shape)
         if rank == 0:
             print(f"no_sync {options}: {result}")
 
@@ -145,8 +152,15 @@ def test_no_sync_parity_aot_eager():
     run_distributed(_run, 2, [{"compiler": "aot_eager"}, {"compiler": "aot_eager", "reshard_after_forward": False}])
 
 
+@pytest.mark.slow
 def test_no_sync_parity_inductor():
     run_distributed(_run, 2, [{"compiler": "inductor"}], 1)  # one block: Inductor compiles are the slow part
+
+
+@pytest.mark.slow
+def test_no_sync_parity_hsdp_2x2():
+    """The flush all-reduces over the replicate dim too: still one reduce-scatter per bucket."""
+    run_distributed(_run, 4, [{"compiler": "aot_eager"}], 1, (2, 2))
 
 
 # -- in one process: compile counts and bad input --------------------------------------------------
