@@ -10,6 +10,11 @@ from the live (now sharded) parameters, so the first compile is already the one 
 parameters and no recompile follows. The compiled function takes the buckets' shards instead of the
 parameters; the shards are autograd leaves whose gradients (reduce-scattered in the graph) become the
 parameters' RaggedShard ``.grad`` views.
+
+Gradient accumulation without sync ([Note: gradient accumulation without sync], runtime/dbuffer.py)
+uses a second variant of the same rewritten graph, compiled by the returned function the first time a
+bucket accumulates (never through Dynamo again): switching between syncing and accumulating picks
+one of the two compiled functions at call time.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from torch._dynamo import register_backend
 from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
-from .passes.rewrite import copy_dynamo_graph
-from .runtime.dbuffer import DBuffer
+from .passes.rewrite import accumulating_variant, copy_dynamo_graph
+from .runtime.dbuffer import DBuffer, pending_leaf
 from .runtime.rebind import ShardBinding
 
 __all__ = ["CompiledGraph", "records", "vescale"]
@@ -122,6 +127,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     dropped = set(rewritten.dropped)
     shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
+    accumulating = _AccumulatingVariant(rewritten, opts, record, fake_mode, shard_fakes, rest)
     compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record)
     _remember(record)
 
@@ -135,6 +141,49 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             return eager_graph(*args)
         for b in buffers:
             b.sync_grad_state()
-        return compiled(*(b.shard for b in buffers), *(a for i, a in enumerate(args) if i not in dropped))
+        shards = [b.shard for b in buffers]
+        rest_args = (a for i, a in enumerate(args) if i not in dropped)
+        trainable = [(buffers[i], config) for i, config in accumulating.configs.items()]
+        if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
+            pending = [b.pending_input(config) for b, config in trainable]
+            return accumulating.compiled()(*shards, *pending, *rest_args)
+        return compiled(*shards, *rest_args)
 
     return run
+
+
+class _AccumulatingVariant:
+    """The graph variant that accumulates unreduced gradients, compiled on first use
+    ([Note: gradient accumulation without sync]): under a fresh tracing context on Dynamo's fake
+    mode, with the fakes Dynamo's own compile used, so it sees the same (possibly symbolic) shapes."""
+
+    def __init__(self, rewritten, opts: Options, record: CompiledGraph, fake_mode, shard_fakes: list, rest: list):
+        self.gm, configs = accumulating_variant(rewritten)
+        buffers = rewritten.buffers
+        self.configs = configs  # position in the graph's buckets → its gather arguments, in pending-input order
+        self._opts, self._record, self._fake_mode = opts, record, fake_mode
+        pending = [fake_mode.from_tensor(pending_leaf(buffers[i], c), static_shapes=True) for i, c in configs.items()]
+        self._inputs = shard_fakes + pending + [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
+                                                isinstance(x, torch._subclasses.FakeTensor) else x for x in rest]
+        self._compiled: Callable | None = None
+
+    def compiled(self) -> Callable:
+        if self._compiled is None:
+            with torch._guards.tracing(torch._guards.TracingContext(self._fake_mode)):
+                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts,
+                                                   _Suffixed(self._record, " (accumulate)"))
+            self._inputs = []
+        return self._compiled
+
+
+class _Suffixed:
+    """A graph sink that files a variant's stages under suffixed names."""
+
+    def __init__(self, sink: CompiledGraph, suffix: str):
+        self.sink, self.suffix = sink, suffix
+
+    def graph(self, stage: str, gm: fx.GraphModule) -> None:
+        self.sink.graph(stage + self.suffix, gm)
+
+    def code(self, stage: str, source: str) -> None:
+        self.sink.code(stage + self.suffix, source)

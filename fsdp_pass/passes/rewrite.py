@@ -8,6 +8,10 @@ first use of any of its parameters::
 ``gather_bucket`` all-gathers in forward and reduce-scatters in backward (runtime/dbuffer.py); the
 views are zero-copy because every parameter is a contiguous slice of the gathered buffer. The
 parameter placeholders are removed: the compiled function takes the shards instead.
+
+:func:`accumulating_variant` makes the copy that gradient accumulation without sync runs
+([Note: gradient accumulation without sync] in runtime/dbuffer.py): one more placeholder per
+trainable bucket, ``bucketN_pending``, passed to its ``gather_bucket`` as ``pending=``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ..runtime.dbuffer import DBuffer, GatherConfig, gather_bucket
 from .detect import ParamSite
 
-__all__ = ["Rewritten", "copy_dynamo_graph", "rewrite_parameters"]
+__all__ = ["Rewritten", "accumulating_variant", "copy_dynamo_graph", "rewrite_parameters"]
 
 
 @dataclass
@@ -110,3 +114,35 @@ def rewrite_parameters(
     graph.lint()
     gm.recompile()
     return Rewritten(gm, new_inputs, configs, [s.index for s in sites])
+
+
+
+def accumulating_variant(rewritten: Rewritten) -> tuple[fx.GraphModule, dict[int, GatherConfig]]:
+    """A copy of the rewritten graph whose trainable buckets accumulate their gradient unreduced.
+
+    See [Note: gradient accumulation without sync]. The copy takes, after the bucket shards, one
+    ``bucketN_pending`` input per trainable bucket (returned, in input order: each one's position in
+    ``rewritten.buffers`` → the :class:`GatherConfig` its graph uses), and its ``gather_bucket`` calls hand their gradient to it instead of reduce-scattering it.
+    ``rewritten.gm`` is left as is.
+    """
+    gm = copy_dynamo_graph(rewritten.gm)
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    shards = placeholders[: len(rewritten.buffers)]
+    after = shards[-1] if shards else None
+    trainable: dict[int, GatherConfig] = {}
+    for i, buf in enumerate(rewritten.buffers):
+        gathers = [u for u in shards[i].users if u.op == "call_function" and u.target is gather_bucket]
+        if not buf.shard.requires_grad or not gathers:
+            continue
+        trainable[i] = GatherConfig(**gathers[0].kwargs)
+        with graph.inserting_after(after):
+            pending = graph.placeholder(f"bucket{i}_pending")
+        pending._dynamo_source = None
+        pending.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+        after = pending
+        for node in gathers:
+            node.kwargs = {**node.kwargs, "pending": pending}
+    graph.lint()
+    gm.recompile()
+    return gm, trainable

@@ -8,11 +8,33 @@ contiguous slice of that global buffer (the planner's layout). So:
 * the reduce-scatter input is the gradient set in the same layout, and its output is the gradient
   shard; each parameter's ``.grad`` is a RaggedShard view of that one shard;
 * whole-bucket operations (``zero_``, ``mul_``, ``add_``, ``copy_``) are one kernel on the shard.
+
+[Note: gradient accumulation without sync]
+``fsdp_pass.no_sync(model)`` / ``set_requires_gradient_sync(model, False)`` clear
+:attr:`DBuffer.gradient_sync`. While any trainable bucket of a compiled graph is not syncing, or
+still holds an accumulated gradient, the backend runs a second compiled variant of the same
+rewritten graph (passes/rewrite.py :func:`accumulating_variant`, compiled once, on first use): each
+trainable bucket's ``gather_bucket`` there also takes a *pending* input, an autograd leaf of the
+gathered size (m·S elements in ``reduce_dtype``; a stride-0 view of one element, so the leaf itself
+costs nothing). Its backward reduces nothing: it hands the whole, unsharded bucket gradient to that
+leaf, and autograd's gradient accumulation sums the micro-batches into ``pending.grad`` (the first
+one's gradient is taken over without a copy, later ones are added in place). That one m·S buffer
+per trainable bucket is the memory cost of accumulating.
+
+The first backward that runs with ``gradient_sync`` set again (the last micro-batch, still on the
+variant since a gradient is pending) flushes: the leaf's post-accumulate-grad hook queues an
+end-of-backward callback that reduce-scatters ``pending.grad`` once (+ all-reduce over the HSDP
+replicate dim, / data-parallel degree, as :class:`_GatherBucket` does), adds the result into the
+gradient shard, points the parameters' ``.grad`` at it and frees the m·S buffer. So a step of k
+micro-batches costs one reduce-scatter per trainable bucket instead of k. The callback runs once
+per bucket per backward even if several graphs (graph breaks) use the bucket.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import weakref
 
 import torch
 import torch.nn as nn
@@ -25,7 +47,8 @@ from ..planner import Layout
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded", "is_unsharded", "mark_unsharded"]
+__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded", "is_unsharded", "mark_unsharded",
+           "pending_leaf", "reduce_gradient"]
 
 _c10d = torch.ops._c10d_functional
 _BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
@@ -99,6 +122,11 @@ class DBuffer:
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}
         self._segment_index: dict[str, int] | None = None  # parameter name → segment position (segment_index)
+        # [Note: gradient accumulation without sync]
+        self.gradient_sync = True  # False inside fsdp_pass.no_sync(model)
+        self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
+        self._pending_config: GatherConfig | None = None
+        self._flush_queued = False
 
     # -- geometry ------------------------------------------------------------------------------
     @property
@@ -208,6 +236,46 @@ class DBuffer:
         if self.shard.grad is not None:
             self.shard.grad.mul_(factor)
 
+    # -- accumulation without sync: [Note: gradient accumulation without sync] ------------------
+    @property
+    def accumulating(self) -> bool:
+        """Whether a trainable bucket's gradient goes to the pending buffer instead of a reduce-scatter."""
+        return self.shard.requires_grad and (not self.gradient_sync or self._pending is not None)
+
+    def pending_input(self, config: GatherConfig) -> torch.Tensor:
+        """The autograd leaf whose ``.grad`` accumulates the unsharded gradient (made on first use)."""
+        if self._pending is None:
+            self._pending = pending_leaf(self, config)
+            self._pending_config = config
+            ref = weakref.ref(self)
+            self._pending.register_post_accumulate_grad_hook(lambda _, ref=ref: _queue_flush(ref))
+        return self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held by the accumulated, not yet reduced gradient (0 when none)."""
+        grad = None if self._pending is None else self._pending.grad
+        return 0 if grad is None else grad.numel() * grad.element_size()
+
+    @torch.no_grad()
+    def flush_pending(self) -> None:
+        """Reduce-scatter the accumulated gradient once, add it into the gradient shard, free it."""
+        self._flush_queued = False
+        pending, config = self._pending, self._pending_config
+        if pending is None or pending.grad is None or not self.gradient_sync:
+            return
+        self._pending = self._pending_config = None
+        grad = pending.grad
+        pending.grad = None
+        del pending
+        reduced = reduce_gradient(grad, config, self.dtype)
+        del grad
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad.add_(reduced)
+        self.attach_grads()
+
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
@@ -225,29 +293,75 @@ class DBuffer:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
 
 
+def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:
+    """A fresh leaf of the gathered size (m·S) in ``reduce_dtype`` for accumulating ``buf``'s gradient:
+    one element seen m·S times (stride 0), so only its ``.grad`` takes memory."""
+    size = buf.shard.numel() * config.shard_world
+    leaf = torch.zeros(1, dtype=config.reduce_dtype, device=buf.shard.device).expand(size)
+    return leaf.detach().requires_grad_(True)
+
+
+def _queue_flush(ref: weakref.ref) -> None:
+    """Post-accumulate-grad hook of a pending leaf: flush at the end of this backward, once."""
+    buf = ref()
+    if buf is None or not buf.gradient_sync or buf._flush_queued:
+        return
+    buf._flush_queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(ref))
+
+
+def _flush(ref: weakref.ref) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.flush_pending()
+
+
+def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torch.dtype) -> torch.Tensor:
+    """A bucket's whole gradient (m·S) → this rank's averaged gradient shard (S) in ``master_dtype``:
+    ReduceScatter over the shard dim, AllReduce over the HSDP replicate dim, / data-parallel degree."""
+    g = grad.to(config.reduce_dtype)
+    if config.shard_world > 1:
+        g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
+                                                          config.shard_group))
+    if config.replicate_world > 1:
+        g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", config.replicate_group))
+    # Average over data-parallel ranks, like DDP and FSDP2.
+    g = g / config.grad_divisor
+    return g.to(master_dtype)
+
+
+def _all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
+    x = shard.to(config.param_dtype)
+    if config.shard_world == 1:
+        return x.clone() if x is shard else x
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
+
+
 class _GatherBucket(torch.autograd.Function):
     """AllGather the bucket shard (forward); ReduceScatter (+ AllReduce for HSDP) its gradient (backward)."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
         ctx.config, ctx.master_dtype = config, shard.dtype
-        x = shard.to(config.param_dtype)
-        if config.shard_world == 1:
-            return x.clone() if x is shard else x
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
+        return _all_gather(shard, config)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        config: GatherConfig = ctx.config
-        g = grad.to(config.reduce_dtype)
-        if config.shard_world > 1:
-            g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
-                                                              config.shard_group))
-        if config.replicate_world > 1:
-            g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", config.replicate_group))
-        # Average over data-parallel ranks, like DDP and FSDP2.
-        g = g / config.grad_divisor
-        return g.to(ctx.master_dtype), None
+        return reduce_gradient(grad, ctx.config, ctx.master_dtype), None
+
+
+class _GatherBucketAccumulate(torch.autograd.Function):
+    """AllGather the bucket shard (forward); hand the whole gradient, unreduced, to ``pending``
+    (backward). See [Note: gradient accumulation without sync]."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor, config: GatherConfig) -> torch.Tensor:
+        ctx.config = config
+        return _all_gather(shard, config)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.to(ctx.config.reduce_dtype), None
 
 
 def gather_bucket(
@@ -260,12 +374,17 @@ def gather_bucket(
     replicate_world: int,
     replicate_group: str | None,
     grad_divisor: int,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Graph-callable entry point (a plain function, so FX code generation can name it).
 
     The keyword arguments are the fields of :class:`GatherConfig`; as keywords, a rewritten graph
     reads by itself (``gather_bucket(bucket0_shard, param_dtype=torch.float32, ..., shard_world=2, ...)``).
+    With ``pending`` (the graph variant that accumulates, [Note: gradient accumulation without sync])
+    the backward hands the whole gradient to ``pending`` instead of reduce-scattering it.
     """
     config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
                           grad_divisor)
+    if pending is not None:
+        return _GatherBucketAccumulate.apply(shard, pending, config)
     return _GatherBucket.apply(shard, config)
