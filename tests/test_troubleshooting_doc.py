@@ -6,6 +6,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The test kit's reference models and process harness raise for tests and benchmarks, not for users
+# (fake_pg stays checked: the command line uses it).
+NOT_USER_FACING = {"fsdp_pass/testing/models.py", "fsdp_pass/testing/spawn.py"}
 
 
 def _message_fragments(node: ast.Raise) -> list[str]:
@@ -29,6 +32,8 @@ def test_every_error_message_is_documented():
     doc = " ".join((ROOT / "docs" / "troubleshooting.md").read_text().split())
     missing = []
     for path in sorted((ROOT / "fsdp_pass").rglob("*.py")):
+        if path.relative_to(ROOT).as_posix() in NOT_USER_FACING:
+            continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):  # error built by a helper
