@@ -339,6 +339,8 @@ def parse_args(argv=None):
     o = p.add_argument_group("output")
     o.add_argument("--checkpoint-dir", default=None, help="rank 0 saves the full model state dict here at the end")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--sample-bytes", type=int, default=160, help="bytes of text generated after training (0: none)")
+    o.add_argument("--prompt", default="def ", help="what the generated sample continues")
     o.add_argument("--log-json", default=None, metavar="PATH",
                    help="rank 0 writes the RESULT json plus every step's loss ('losses') and the arguments here")
     args = p.parse_args(argv)
@@ -400,6 +402,16 @@ def evaluate(compiled, held: torch.Tensor, args, d: Dist) -> float:
     if d.on:
         dist.all_reduce(total)
     return total.item() / (args.eval_batches * d.world)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: str, n: int, seq_len: int, device: torch.device) -> str:
+    """Greedy byte-by-byte continuation of ``prompt``, run eagerly on the sharded ``model`` (every rank)."""
+    tokens = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+    for _ in range(n):
+        logits = model(tokens[:, -seq_len:])
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
 def main(argv=None) -> dict:
@@ -521,6 +533,11 @@ def main(argv=None) -> dict:
         "optimizer": args.optimizer,
     }
 
+    if args.sample_bytes:
+        # The original module, called without torch.compile: its sharded parameters are gathered bucket by
+        # bucket for each call (the eager path), so this is a collective every rank runs.
+        result["sample"] = generate(model, args.prompt, args.sample_bytes, args.seq_len, d.device)
+
     if args.checkpoint_dir:
         state = fsdp_pass.get_full_state_dict(model)  # every rank takes part in the gathers; rank 0 gets it
         if d.rank == 0:
@@ -546,6 +563,8 @@ def main(argv=None) -> dict:
         width = max(len(k) for k, _ in rows)
         line = "-" * (width + 3 + max(len(v) for _, v in rows))
         print("\n".join(["", "summary", line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line]), flush=True)
+        if args.sample_bytes:
+            print(f"\nsample (greedy, {args.sample_bytes} bytes after {args.prompt!r}):\n{result['sample']}\n", flush=True)
         print("RESULT " + json.dumps(result), flush=True)
         if args.log_json:
             with open(args.log_json, "w") as f:

@@ -38,7 +38,7 @@ class Explanation:
                 lo, hi = b.layout.global_range(name)
                 placement = str(b.placement(name))
                 spec = b.dtensor_specs.get(name)
-                if spec is not None:  # tensor/expert parallel first, then FSDP on the local tensor
+                if spec is not None:  # [Note: FSDP over TP/EP]: TP/EP first, then FSDP on the local tensor
                     dims = ", ".join(f"{pl} over {d}" for pl, d in zip(spec.placements, spec.mesh.mesh_dim_names))
                     placement = f"{dims} of {tuple(spec.shape)}, then {placement}"
                 lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {placement}")

@@ -3,7 +3,8 @@
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(..., full_state_dict=True)`` gathers
 DTensors only; a RaggedShard parameter would come back as this rank's piece. These two functions
 are the full-state counterparts for models sharded by ``fully_shard`` or the ``vescale`` backend,
-including tensor/expert-parallel DTensor parameters whose local tensors are RaggedShard.
+including tensor/expert-parallel DTensor parameters whose local tensors are RaggedShard
+([Note: FSDP over TP/EP] in sharding/materialize.py).
 For sharded checkpoints that load at any world size, use DCP (``torch.distributed.checkpoint``).
 """
 

@@ -263,3 +263,34 @@ def _compiled_call_inside_unshard(rank: int, world: int) -> None:
 
 def test_compiled_call_inside_unshard_is_refused():
     run_distributed(_compiled_call_inside_unshard, WORLD)
+
+
+def _hf_export(rank: int, world: int, out: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    ref = _hf_tiny_llama()
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 61, (2 * world, 8), generator=torch.Generator().manual_seed(5))
+    mine = tokens.chunk(world)[rank]
+    lm_loss(compiled(mine).logits, mine).backward()
+    opt.step()
+
+    full = fsdp_pass.get_full_state_dict(model)  # way 1: gather to rank 0
+    if rank == 0:
+        model.save_pretrained(f"{out}/gathered", state_dict=full)
+    with fsdp_pass.unshard(model):  # way 2: whole parameters on every rank
+        if rank == 0:
+            model.save_pretrained(f"{out}/unsharded")
+    dist.barrier()
+    if rank == 0:
+        for way in ("gathered", "unsharded"):
+            loaded = LlamaForCausalLM.from_pretrained(f"{out}/{way}")
+            for name, p in loaded.named_parameters():
+                assert torch.equal(p, full[name]), (way, name)
+        assert not torch.equal(full["model.norm.weight"], ref.model.norm.weight)  # the trained values
+
+
+def test_hf_export_both_ways(tmp_path):
+    run_distributed(_hf_export, WORLD, str(tmp_path))

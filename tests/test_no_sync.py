@@ -16,8 +16,8 @@ from fsdp_pass.backend import records
 from fsdp_pass.runtime.dbuffer import DBuffer, bucket_of, is_sharded
 
 # The shared test helpers, imported in this one place.
-from dist_harness import run_distributed
-from models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
 TOLERANCE = 1e-5  # fp32, relative
 MICRO_BATCHES = 4

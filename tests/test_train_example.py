@@ -86,6 +86,10 @@ def test_two_ranks_and_one_process_train_the_same_model(tmp_path):
     _, held, _ = train.load_corpus()
     eval_loss = train.evaluate(model, held, train.parse_args(SMALL), train.Dist())
     assert abs(eval_loss - result["eval_loss"]) < 1e-4 * result["eval_loss"], (eval_loss, result["eval_loss"])
+    # The text sample was generated eagerly on the sharded model: the reloaded model writes the same bytes.
+    args = train.parse_args(SMALL)
+    assert result["sample"].startswith(args.prompt) and "sample (greedy" in two.stdout
+    assert train.generate(model, args.prompt, args.sample_bytes, args.seq_len, torch.device("cpu")) == result["sample"]
 
     # One plain process (no process group) trains the same model to the same losses.
     one = _run([str(EXAMPLE), *SMALL, "--no-progress"])

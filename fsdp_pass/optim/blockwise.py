@@ -10,7 +10,8 @@ rank holds one contiguous flat range of each parameter, so:
 * otherwise the input is redistributed to one *root* rank (one uneven all-to-all), the root runs
   the math on the whole tensor, and the result is redistributed back (a second all-to-all). Roots
   are chosen to balance the estimated compute over the ranks.
-* a tensor/expert-parallel parameter (a DTensor whose local tensor is RaggedShard) is gathered to
+* a tensor/expert-parallel parameter (a DTensor whose local tensor is RaggedShard: [Note: FSDP over
+  TP/EP] in sharding/materialize.py) is gathered to
   an FSDP root, whose TP/EP group all-gathers the global tensor and runs the math (Muon); math
   that keeps state per parameter runs on the global tensor on every rank instead (``full_tensor``),
   so every rank keeps its state in one layout.

@@ -93,7 +93,8 @@ class DBuffer:
     Args:
         layout: the planner's layout of the bucket (names are parameter FQNs).
         shapes: global shape of every parameter, by name (for tensor/expert-parallel DTensor
-            parameters, the shape of their local tensor: that is what the bucket shards).
+            parameters, the shape of their local tensor: that is what the bucket shards; see
+            [Note: FSDP over TP/EP] in sharding/materialize.py).
         mesh: the ranks the bucket is sharded over (HSDP: sharded over one dim, replicated over the other).
         dtype, device: of the master shard (one DBuffer per dtype).
         requires_grad: whether the shard collects gradients (False for frozen parameters).

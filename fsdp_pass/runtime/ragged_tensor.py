@@ -208,7 +208,8 @@ class RaggedShardTensor(torch.Tensor):
 
 
 def ragged_part(t: torch.Tensor) -> torch.Tensor:
-    """What FSDP shards of ``t``: a tensor/expert-parallel DTensor's local tensor, else ``t`` itself."""
+    """What FSDP shards of ``t``: a tensor/expert-parallel DTensor's local tensor, else ``t`` itself
+    (see [Note: FSDP over TP/EP] in sharding/materialize.py)."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
