@@ -51,7 +51,8 @@ from fsdp_pass.testing.models import RMSNorm  # noqa: E402
 from fsdp_pass.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
 from fsdp_pass.passes.pipeline import run_passes  # noqa: E402
-from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket  # noqa: E402
+from fsdp_pass.runtime.dbuffer import DBuffer  # noqa: E402
+from fsdp_pass.runtime.gather import gather_bucket  # noqa: E402
 
 MODELS = ("llama3-70b", "deepseek-v3")
 WORLDS = (1024, 4096, 16384)

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.runtime.dbuffer import DBuffer, gather_bucket
+from fsdp_pass.runtime.dbuffer import DBuffer
+from fsdp_pass.runtime.gather import gather_bucket
 from fsdp_pass.runtime.mesh import ShardingMesh
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
 from fsdp_pass.sharding.buckets import ShardingConfig

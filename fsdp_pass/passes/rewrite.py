@@ -5,7 +5,7 @@ first use of any of its parameters::
 
     shard ─ gather_bucket ─ split_with_sizes ─ getitem ─ view(shape)   (one view per parameter)
 
-``gather_bucket`` all-gathers in forward and reduce-scatters in backward (runtime/dbuffer.py); the
+``gather_bucket`` all-gathers in forward and reduce-scatters in backward (runtime/gather.py); the
 views are zero-copy because every parameter is a contiguous slice of the gathered buffer. The
 parameter placeholders are removed: the compiled function takes the shards instead.
 
@@ -26,7 +26,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ..runtime.dbuffer import DBuffer, GatherConfig, gather_bucket
+from ..runtime.dbuffer import DBuffer
+from ..runtime.gather import GatherConfig, gather_bucket
 from .detect import ParamSite
 
 __all__ = ["Rewritten", "accumulating_variant", "copy_dynamo_graph", "rewrite_parameters"]

@@ -32,8 +32,6 @@ per bucket per backward even if several graphs (graph breaks) use the bucket.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import weakref
 
 import torch
@@ -44,13 +42,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..placement import RaggedShard
 from ..planner import Layout
+from .gather import GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "GatherConfig", "bucket_of", "gather_bucket", "is_sharded", "is_unsharded", "mark_unsharded",
-           "pending_leaf", "reduce_gradient"]
+__all__ = ["DBuffer", "bucket_of", "is_sharded", "is_unsharded", "mark_unsharded", "pending_leaf"]
 
-_c10d = torch.ops._c10d_functional
 _BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
@@ -73,18 +70,6 @@ def mark_unsharded(p: torch.Tensor) -> None:
 def bucket_of(p: torch.Tensor) -> tuple["DBuffer", str]:
     """The DBuffer holding a sharded parameter, and the parameter's name in it."""
     return getattr(p, _BUCKET_ATTR)
-
-
-class GatherConfig(NamedTuple):
-    """The static arguments of one bucket's :func:`gather_bucket` (constants in the rewritten graph)."""
-
-    param_dtype: torch.dtype  # the shard is cast to this before the all-gather (compute dtype)
-    reduce_dtype: torch.dtype  # gradients are reduce-scattered in this dtype
-    shard_world: int  # ranks the bucket is sharded over
-    shard_group: str | None  # their process group's name (None when shard_world == 1)
-    replicate_world: int  # HSDP replicas the gradient is all-reduced over (1: none)
-    replicate_group: str | None  # their process group's name (None when replicate_world == 1)
-    grad_divisor: int  # the reduced gradient is divided by this: the data-parallel degree
 
 
 class DBuffer:
@@ -315,77 +300,3 @@ def _flush(ref: weakref.ref) -> None:
     buf = ref()
     if buf is not None:
         buf.flush_pending()
-
-
-def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torch.dtype) -> torch.Tensor:
-    """A bucket's whole gradient (m·S) → this rank's averaged gradient shard (S) in ``master_dtype``:
-    ReduceScatter over the shard dim, AllReduce over the HSDP replicate dim, / data-parallel degree."""
-    g = grad.to(config.reduce_dtype)
-    if config.shard_world > 1:
-        g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
-                                                          config.shard_group))
-    if config.replicate_world > 1:
-        g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", config.replicate_group))
-    # Average over data-parallel ranks, like DDP and FSDP2.
-    g = g / config.grad_divisor
-    return g.to(master_dtype)
-
-
-def _all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-    x = shard.to(config.param_dtype)
-    if config.shard_world == 1:
-        return x.clone() if x is shard else x
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
-
-
-class _GatherBucket(torch.autograd.Function):
-    """AllGather the bucket shard (forward); ReduceScatter (+ AllReduce for HSDP) its gradient (backward)."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-        ctx.config, ctx.master_dtype = config, shard.dtype
-        return _all_gather(shard, config)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_gradient(grad, ctx.config, ctx.master_dtype), None
-
-
-class _GatherBucketAccumulate(torch.autograd.Function):
-    """AllGather the bucket shard (forward); hand the whole gradient, unreduced, to ``pending``
-    (backward). See [Note: gradient accumulation without sync]."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-        ctx.config = config
-        return _all_gather(shard, config)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, grad.to(ctx.config.reduce_dtype), None
-
-
-def gather_bucket(
-    shard: torch.Tensor,
-    *,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    shard_world: int,
-    shard_group: str | None,
-    replicate_world: int,
-    replicate_group: str | None,
-    grad_divisor: int,
-    pending: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Graph-callable entry point (a plain function, so FX code generation can name it).
-
-    The keyword arguments are the fields of :class:`GatherConfig`; as keywords, a rewritten graph
-    reads by itself (``gather_bucket(bucket0_shard, param_dtype=torch.float32, ..., shard_world=2, ...)``).
-    With ``pending`` (the graph variant that accumulates, [Note: gradient accumulation without sync])
-    the backward hands the whole gradient to ``pending`` instead of reduce-scattering it.
-    """
-    config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
-                          grad_divisor)
-    if pending is not None:
-        return _GatherBucketAccumulate.apply(shard, pending, config)
-    return _GatherBucket.apply(shard, config)

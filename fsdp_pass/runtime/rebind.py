@@ -20,7 +20,8 @@ from typing import Sequence
 
 import torch
 
-from .dbuffer import DBuffer, GatherConfig, bucket_of, is_sharded
+from .dbuffer import DBuffer, bucket_of, is_sharded
+from .gather import GatherConfig
 
 __all__ = ["ShardBinding"]
 
