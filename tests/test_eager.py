@@ -279,7 +279,7 @@ def _hf_export(rank: int, world: int, out: str) -> None:
 
     full = fsdp_pass.get_full_state_dict(model)  # way 1: gather to rank 0
     if rank == 0:
-        model.save_pretrained(f"{out}/gathered", state_dict=full)
+        model.save_pretrained(f"{out}/gathered", state_dict=dict(full))  # save_pretrained consumes its dict
     with fsdp_pass.unshard(model):  # way 2: whole parameters on every rank
         if rank == 0:
             model.save_pretrained(f"{out}/unsharded")
