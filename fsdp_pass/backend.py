@@ -139,8 +139,6 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if buffers is None:
             _warn_running_eagerly(result.sites[0].name)
             return eager_graph(*args)
-        for b in buffers:
-            b.sync_grad_state()
         shards = [b.shard for b in buffers]
         rest_args = (a for i, a in enumerate(args) if i not in dropped)
         trainable = [(buffers[i], config) for i, config in accumulating.configs.items()]

@@ -71,7 +71,7 @@ def _structure_worker(rank: int, world: int, compiler: str) -> None:
         for p in model.parameters():
             assert isinstance(p.grad, fsdp_pass.RaggedShardTensor)
             buf, name = bucket_of(p)
-            assert p.grad._local.untyped_storage().data_ptr() == buf.shard.grad.untyped_storage().data_ptr()
+            assert p.grad._local.untyped_storage().data_ptr() == buf.gradient_buffer().untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
@@ -282,3 +282,41 @@ def test_records_let_a_deleted_model_go():
     gc.collect()
     assert shard() is None, "a record kept the deleted model's shard alive"
     assert not record.alive and record not in records()
+
+
+def _gradient_lifetime_worker(rank: int, world: int) -> None:
+    import copy
+    import weakref
+
+    from fsdp_pass.testing.models import init_std
+
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        tokens = torch.randint(0, 61, (2 * world, 8), generator=g)
+        mine = tokens.chunk(world)[rank]
+        loss = lm_loss(compiled(mine), mine)
+        opt.zero_grad(set_to_none=True)  # between forward and backward: the last step's gradient must not leak in
+        loss.backward()
+        lm_loss(ref(tokens), tokens).backward()
+        opt.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    buf, _ = bucket_of(next(model.parameters()))
+    shard_grad = weakref.ref(buf.gradient_buffer())
+    assert buf.shard.grad is None  # only the parameters' .grad views hold it
+    opt.zero_grad(set_to_none=True)
+    assert shard_grad() is None, "zero_grad(set_to_none=True) must free the gradient shard at once"
+    full = fsdp_pass.get_full_state_dict(model)
+    if rank == 0:
+        for name, p in ref.named_parameters():
+            assert torch.allclose(full[name], p, rtol=1e-5, atol=1e-6), name
+
+
+def test_zero_grad_frees_the_gradient_shard_at_once_and_between_forward_and_backward():
+    run_distributed(_gradient_lifetime_worker, 2)

@@ -131,9 +131,9 @@ def _check_gradient_is_averaged_into_the_shard(mesh: ShardingMesh, dp_rank: int,
     for buf in buffers:
         _backward_known_grads(buf, dp_rank)
         expected = _expected_shard_grad(buf, dp_world)
-        assert torch.equal(buf.shard.grad, expected), (buf, buf.shard.grad - expected)
-        buf.attach_grads()
-        grad_shard = buf.shard.grad
+        grad_shard = buf.gradient_buffer()
+        assert torch.equal(grad_shard, expected), (buf, grad_shard - expected)
+        assert buf.shard.grad is None  # the parameters' views hold the gradient shard, not the shard's .grad
         for name, p in buf.params.items():
             assert isinstance(p.grad, RaggedShardTensor), name
             piece = p.grad._local
@@ -149,8 +149,8 @@ def _check_gradient_is_averaged_into_the_shard(mesh: ShardingMesh, dp_rank: int,
         grads_before = {name: p.grad for name, p in buf.params.items()}
         shard_grad_address = grad_shard.data_ptr()
         _backward_known_grads(buf, dp_rank)
-        assert buf.shard.grad.data_ptr() == shard_grad_address, buf
-        assert torch.equal(buf.shard.grad, 2 * expected), buf
+        assert buf.gradient_buffer().data_ptr() == shard_grad_address, buf
+        assert torch.equal(buf.gradient_buffer(), 2 * expected), buf
         for name, p in buf.params.items():
             assert p.grad is grads_before[name], name
             assert torch.equal(p.grad.full_tensor(), 2 * _averaged_grad(name, dp_world)), name
@@ -175,7 +175,7 @@ def _check_fused_grad_ops_act_on_every_view_at_once(mesh: ShardingMesh, dp_rank:
     assert _top_level_ops(prof) == ["aten::zero_"], _top_level_ops(prof)
     for name, p in buf.params.items():
         assert p.grad._local.count_nonzero() == 0, name
-    assert buf.shard.grad.count_nonzero() == 0, buf
+    assert buf.gradient_buffer().count_nonzero() == 0, buf
 
 
 def _check_forward_gather_makes_no_copies(mesh: ShardingMesh) -> None:

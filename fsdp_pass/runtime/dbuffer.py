@@ -9,6 +9,16 @@ contiguous slice of that global buffer (the planner's layout). So:
   shard; each parameter's ``.grad`` is a RaggedShard view of that one shard;
 * whole-bucket operations (``zero_``, ``mul_``, ``add_``, ``copy_``) are one kernel on the shard.
 
+[Note: gradient shard lifetime]
+Autograd accumulates a bucket's reduced gradient into ``shard.grad`` (the shard is the autograd
+leaf). Right after, the post-accumulate hook points every parameter's ``.grad`` at its view of that
+buffer and takes it off ``shard.grad``: from then on only the parameters' views hold it, so
+``optimizer.zero_grad(set_to_none=True)`` frees it at once, not at the next step. When the next
+gradient reaches the shard, a pre-hook puts the live buffer back on ``shard.grad`` (pieces of
+parameters whose ``.grad`` was cleared are zeroed first) so autograd accumulates in place; if no
+parameter holds a view any more, the new gradient becomes the buffer without a copy. Checking at
+that moment, not at the forward, also makes ``zero_grad`` between forward and backward exact.
+
 [Note: gradient accumulation without sync]
 ``fsdp_pass.no_sync(model)`` / ``set_requires_gradient_sync(model, False)`` clear
 :attr:`DBuffer.gradient_sync`. While any trainable bucket of a compiled graph is not syncing, or
@@ -108,6 +118,7 @@ class DBuffer:
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}
         self._segment_index: dict[str, int] | None = None  # parameter name → segment position (segment_index)
+        self._grad_ref: weakref.ref | None = None  # the gradient shard the parameters' .grad views live in
         # [Note: gradient accumulation without sync]
         self.gradient_sync = True  # False inside fsdp_pass.no_sync(model)
         self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
@@ -188,39 +199,49 @@ class DBuffer:
         spec = self.dtensor_specs.get(name)
         return ragged if spec is None else DTensor(ragged, spec, requires_grad=False)
 
-    def attach_grads(self) -> None:
-        """Point every trainable parameter's ``.grad`` at its view of the gradient shard."""
-        grad = self.shard.grad
-        if grad is None:
-            return
+    def gradient_buffer(self, create: bool = False) -> torch.Tensor | None:
+        """The bucket's gradient shard (S elements), ready to accumulate into; see [Note: gradient shard lifetime].
+
+        The buffer the parameters' ``.grad`` views live in. Pieces of parameters whose ``.grad`` was
+        cleared are zeroed first. None when no parameter holds a gradient, unless ``create``: then a
+        zero buffer.
+        """
+        grad = None if self._grad_ref is None else self._grad_ref()
+        if grad is not None:
+            cleared = [name for name, p in self.params.items() if p.requires_grad and not _is_view_of(p.grad, grad)]
+            if len(cleared) == len(self.trainable_names):
+                grad = None
+            else:
+                with torch.no_grad():
+                    for name in cleared:
+                        self.local_piece(name, grad).zero_()
+        if grad is None and create:
+            grad = torch.zeros_like(self.shard, requires_grad=False)
+        return grad
+
+    def attach_grads(self, grad: torch.Tensor) -> None:
+        """Point every trainable parameter's ``.grad`` at its view of the gradient shard ``grad``."""
+        self._grad_ref = weakref.ref(grad)
         for name, p in self.params.items():
-            if p.requires_grad:
-                existing = p.grad
-                piece = self.local_piece(name, grad)
-                if existing is None or ragged_part(existing)._local.data_ptr() != piece.data_ptr():
-                    p.grad = self.wrap(name, piece)
+            if p.requires_grad and not _is_view_of(p.grad, grad):
+                p.grad = self.wrap(name, self.local_piece(name, grad))
 
-    def ensure_grad_shard(self) -> None:
-        """Give the shard a zero gradient if it has none, and point every parameter's ``.grad`` at its view."""
-        if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
-        self.attach_grads()
-
-    def sync_grad_state(self) -> None:
-        """Drop the gradient shard when the user cleared every parameter's ``.grad`` (``zero_grad``)."""
-        if self.shard.grad is not None and all(p.grad is None for p in self.params.values()):
-            self.shard.grad = None
+    @property
+    def trainable_names(self) -> list[str]:
+        return [name for name, p in self.params.items() if p.requires_grad]
 
     # -- whole-bucket operations ---------------------------------------------------------------
     @torch.no_grad()
     def zero_grad_(self) -> None:
-        if self.shard.grad is not None:
-            self.shard.grad.zero_()
+        grad = self.gradient_buffer()
+        if grad is not None:
+            grad.zero_()
 
     @torch.no_grad()
     def scale_grad_(self, factor: float) -> None:
-        if self.shard.grad is not None:
-            self.shard.grad.mul_(factor)
+        grad = self.gradient_buffer()
+        if grad is not None:
+            grad.mul_(factor)
 
     # -- accumulation without sync: [Note: gradient accumulation without sync] ------------------
     @property
@@ -256,11 +277,12 @@ class DBuffer:
         del pending
         reduced = reduce_gradient(grad, config, self.dtype)
         del grad
-        if self.shard.grad is None:
-            self.shard.grad = reduced
+        shard_grad = self.gradient_buffer()
+        if shard_grad is None:
+            shard_grad = reduced
         else:
-            self.shard.grad.add_(reduced)
-        self.attach_grads()
+            shard_grad.add_(reduced)
+        self.attach_grads(shard_grad)
 
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -277,6 +299,14 @@ class DBuffer:
 
     def __repr__(self) -> str:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
+
+
+def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor) -> bool:
+    """Whether ``grad`` (a parameter's ``.grad``) is a RaggedShard view into ``buffer``."""
+    if grad is None:
+        return False
+    piece = ragged_part(grad)
+    return isinstance(piece, RaggedShardTensor) and piece._local._base is buffer
 
 
 def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:

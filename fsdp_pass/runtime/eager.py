@@ -94,6 +94,5 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
         collectives.all_reduce_(whole, m.mesh.get_group(m.replicate_dim))
     a, b = buf.layout.local_range(name, buf.rank)
     piece = (whole[a:b] / m.divisor).to(buf.dtype)
-    buf.sync_grad_state()
-    buf.ensure_grad_shard()
+    buf.attach_grads(buf.gradient_buffer(create=True))
     return buf.ragged(name, piece)

@@ -89,7 +89,8 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
             # Hooks live in C++, out of the garbage collector's sight: a strong reference to the
             # buffer there would keep the whole model alive forever.
             ref = weakref.ref(buf)
-            buf.shard.register_post_accumulate_grad_hook(lambda _, ref=ref: _attach_grads(ref))
+            buf.shard.register_hook(functools.partial(_resume_gradient, ref))  # [Note: gradient shard lifetime]
+            buf.shard.register_post_accumulate_grad_hook(functools.partial(_hand_gradient_to_parameters, ref))
             for name in layout.names:  # gradients of eager calls: [Note: eager calls on sharded parameters]
                 p = by_name[name]
                 if p.requires_grad and not isinstance(p, DTensor):
@@ -98,10 +99,19 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     return buffers
 
 
-def _attach_grads(ref: weakref.ref) -> None:
+def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor) -> None:
+    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer."""
     buf = ref()
     if buf is not None:
-        buf.attach_grads()
+        buf.shard.grad = buf.gradient_buffer()
+
+
+def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
+    """After: the parameters' ``.grad`` views hold the buffer, the shard lets it go."""
+    buf = ref()
+    if buf is not None and shard.grad is not None:
+        grad, shard.grad = shard.grad, None
+        buf.attach_grads(grad)
 
 
 def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
