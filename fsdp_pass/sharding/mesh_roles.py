@@ -20,7 +20,22 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.mesh import ShardingMesh
 
-__all__ = ["ParallelMesh", "model_mesh_dims", "resolve_mesh"]
+__all__ = ["ParallelMesh", "check_rank_in_mesh", "model_mesh_dims", "resolve_mesh"]
+
+
+def check_rank_in_mesh(mesh: DeviceMesh, argument: str = "options['mesh']") -> None:
+    """Refuse a mesh that does not include this rank.
+
+    A mesh over a subset of the world is fine (pipeline stages, one data-parallel group per
+    stage): every collective the backend issues runs over that mesh's groups only. But the ranks
+    that shard or compile a model must be in its mesh.
+    """
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"{argument} {mesh} over ranks {mesh.mesh.flatten().tolist()} does not include this rank "
+            f"({dist.get_rank()}); each rank must pass a mesh it belongs to, e.g. slice it from one mesh over all "
+            f"ranks on every rank: init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))['dp']"
+        )
 
 
 def model_mesh_dims(params: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
@@ -75,12 +90,7 @@ def resolve_mesh(
         shard_dim = mesh.ndim - 1
     if not 0 <= shard_dim < mesh.ndim:
         raise ValueError(f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}")
-    if dist.is_initialized() and mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"{argument} covers {mesh.size()} ranks but the default process group has "
-            f"{dist.get_world_size()}; build the mesh over all ranks (init_device_mesh(device, shape) with "
-            f"prod(shape) == world size)"
-        )
+    check_rank_in_mesh(mesh, argument)
     return ShardingMesh(mesh, shard_dim)
 
 
@@ -177,11 +187,7 @@ class ParallelMesh:
             )
         if rep is not None and rep in model_dims:
             raise ValueError(f"replicate_dim {rep!r} is also a dim of the model's DTensor parameters; pick another dim")
-        if dist.is_initialized() and mesh.size() != dist.get_world_size():
-            raise ValueError(
-                f"{argument} covers {mesh.size()} ranks but the default process group has {dist.get_world_size()}; "
-                f"build the mesh over all ranks"
-            )
+        check_rank_in_mesh(mesh, argument)
         return ParallelMesh(mesh, shard_dims, rep)
 
 
