@@ -38,10 +38,23 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offloa
     keep = not rank0_only or _first_rank_of_model(module)
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
-        whole = value.full_tensor() if _is_distributed(value) else value.detach()
+        whole = _whole(value) if _is_distributed(value) else value.detach()
         if keep:
             out[name] = whole.cpu() if cpu_offload else whole
     return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a sharded tensor: FSDP's pieces gathered first, then the TP/EP blocks.
+
+    Gathering the local tensor first also serves ``Replicate()`` DTensors, whose ``full_tensor()``
+    issues no collective and would hand back the RaggedShard piece.
+    """
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor):
+        local = t._local_tensor.full_tensor()
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride()).full_tensor()
+    return t.full_tensor()
 
 
 def _first_rank_of_model(module: nn.Module) -> bool:

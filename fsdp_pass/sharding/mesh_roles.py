@@ -120,10 +120,14 @@ class ParallelMesh:
         return self.root.size(self.names.index(name))
 
     def for_parameter(self, name: str, p: torch.Tensor) -> ShardingMesh:
-        """Shard over every dim but the replicate dim and the dims ``p``'s own DTensor placements use."""
-        own = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        if own:
-            _check_placements(name, p, self)
+        """Shard over every dim but the replicate dim and the dims ``p``'s own DTensor placements split.
+
+        A DTensor dim placed ``Replicate()`` (a row-parallel bias, a sequence-parallel norm) holds
+        the whole tensor on each of its ranks, like a plain parameter: it is sharded over that dim
+        too, and its gradient copies (``DTensor.from_local``'s backward makes them whole and equal
+        on every TP rank, all-reducing a partial one) are counted once by the divisor.
+        """
+        own = _split_dims(name, p, self) if isinstance(p, DTensor) else ()
         dims = tuple(n for n in self.names if n != self.replicate_dim and n not in own)
         data_parallel = set(self.shard_dims) | ({self.replicate_dim} if self.replicate_dim else set())
         divisor = math.prod(self.size(n) for n in data_parallel) * math.prod(
@@ -191,18 +195,38 @@ class ParallelMesh:
         return ParallelMesh(mesh, shard_dims, rep)
 
 
-def _check_placements(name: str, p: DTensor, mesh: ParallelMesh) -> None:
-    from torch.distributed.tensor import Shard
+def _split_dims(name: str, p: DTensor, mesh: ParallelMesh) -> tuple[str, ...]:
+    """Names of the dims ``p``'s placements split (``Shard``); refuses placements FSDP cannot compose with."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if p.device_mesh._get_root_mesh() is not mesh.root._get_root_mesh():
         raise ValueError(
             f"parameter {name!r} is a DTensor on {p.device_mesh}, which is not a slice of the mesh the model is "
             f"sharded over ({mesh.root}); slice its TP/EP mesh from that mesh (mesh['tp'])"
         )
-    for placement in p.placements:
-        if not isinstance(placement, Shard):
+    names = tuple(p.device_mesh.mesh_dim_names or ())
+    split = []
+    for dim, placement in zip(names, p.placements):
+        if isinstance(placement, _StridedShard):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}: a _StridedShard "
+                f"comes from another FSDP (torch's fully_shard) applied over tensor parallelism; give fsdp_pass the "
+                f"model with only its TP/EP placements (parallelize_module, no fully_shard) and let it do the "
+                f"data-parallel sharding"
+            )
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}: a Partial "
+                f"parameter holds pending sums, not values; make it Replicate() or Shard(d) first "
+                f"(p.redistribute(mesh, [Replicate()])) or a plain tensor"
+            )
+        if isinstance(placement, Shard):
+            split.append(dim)
+        elif not isinstance(placement, Replicate):
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}; FSDP composes "
-                f"with Shard placements (tensor/expert parallel weights). Keep replicated parameters as plain "
-                f"tensors: they are sharded over every dim but the replicate dim"
+                f"with Shard (tensor/expert parallel weights) and Replicate placements; redistribute it to one of "
+                f"them or keep it a plain tensor"
             )
+    return tuple(split)
