@@ -29,17 +29,52 @@ def _is_distributed(t: torch.Tensor) -> bool:
 def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded tensor gathered whole (plain tensors).
 
-    A collective: call it on every rank, in the same order. With ``rank0_only`` the other ranks
-    get ``{}`` (they still take part in the gathers); ``cpu_offload`` moves the result to the CPU.
+    A collective: call it on every rank of the model's mesh, in the same order. With ``rank0_only``
+    only the model's first rank (coordinate 0 on every mesh its parameters use: global rank 0 for a
+    mesh over the world, the stage's first rank for a pipeline stage sharded over a sub-mesh) keeps
+    the result; the other ranks get ``{}`` (they still take part in the gathers). ``cpu_offload``
+    moves the result to the CPU.
     """
     module = getattr(model, "_orig_mod", model)
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    keep = not rank0_only or _first_rank_of_model(module)
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
-        whole = value.full_tensor() if _is_distributed(value) else value.detach()
+        whole = _whole(value) if _is_distributed(value) else value.detach()
         if keep:
             out[name] = whole.cpu() if cpu_offload else whole
     return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a sharded tensor: FSDP's pieces gathered first, then the TP/EP blocks.
+
+    Gathering the local tensor first also serves ``Replicate()`` DTensors, whose ``full_tensor()``
+    issues no collective and would hand back the RaggedShard piece.
+    """
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor):
+        local = t._local_tensor.full_tensor()
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride()).full_tensor()
+    return t.full_tensor()
+
+
+def _first_rank_of_model(module: nn.Module) -> bool:
+    """Whether this rank is at coordinate 0 of every mesh the module's sharded parameters use."""
+    from .runtime.dbuffer import bucket_of, is_sharded
+
+    if not dist.is_initialized():
+        return True
+    meshes = {}
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            meshes[id(p.device_mesh)] = p.device_mesh
+        if is_sharded(p):
+            mesh = bucket_of(p)[0].mesh.mesh
+            if mesh is not None:
+                meshes[id(mesh)] = mesh
+    if not meshes:
+        return dist.get_rank() == 0
+    return all(all(c == 0 for c in (m.get_coordinate() or [1])) for m in meshes.values())
 
 
 @torch.no_grad()

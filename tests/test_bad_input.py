@@ -67,8 +67,8 @@ ERROR_CASES = [
      ValueError, r"options\['compiler'\] is 'tvm'; use 'inductor' or 'aot_eager'"),
     ("bad mixed precision", lambda: Params(w=torch.ones(4)), {"mp_policy": {"param_dtype": torch.int8}},
      ValueError, r"mp_policy param_dtype must be a floating torch.dtype"),
-    ("mesh smaller than the world", lambda: Params(w=torch.ones(4)), {"mesh": "two-rank mesh"},
-     ValueError, r"options\['mesh'\] covers 2 ranks but the default process group has 4"),
+    ("mesh without this rank", lambda: Params(w=torch.ones(4)), {"mesh": "two-rank mesh"},
+     ValueError, r"options\['mesh'\] .* over ranks \[2, 3\] does not include this rank \(0\)"),
 ]
 
 
@@ -76,7 +76,7 @@ ERROR_CASES = [
 def test_bad_input_raises_clear_error_and_leaves_model_unsharded(four_fake_ranks, case):
     _, make_model, options, error, pattern = case
     if options.get("mesh") == "two-rank mesh":
-        options = {**options, "mesh": DeviceMesh("cpu", [0, 1])}
+        options = {**options, "mesh": DeviceMesh("cpu", [2, 3])}
     model = make_model()
     with pytest.raises(Exception) as info:
         if options.get("eager"):  # a graph could not even be traced: shard eagerly instead

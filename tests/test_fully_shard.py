@@ -143,14 +143,22 @@ def _check_eager_call_points_to_torch_compile(make_model, mesh: DeviceMesh | Non
     assert "torch.compile" in message and 'backend="vescale"' in message, message
 
 
-def _check_mesh_over_fewer_ranks_is_rejected(world: int) -> None:
-    for mesh in (init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), DeviceMesh("cpu", [0, 1])):
-        model = MLP()
-        originals = _snapshot(model)
-        expected = f"fully_shard's mesh covers 2 ranks but the default process group has {world}"
-        with pytest.raises(ValueError, match=expected):
+def _check_mesh_without_this_rank_is_rejected(world: int) -> None:
+    """A mesh over a subset of the ranks shards over them; one that leaves this rank out is refused."""
+    rank = dist.get_rank()
+    model = MLP()
+    originals = _snapshot(model)
+    mesh = DeviceMesh("cpu", [0, 1])  # the same mesh on every rank: ranks 2 and 3 are not in it
+    if rank < 2:
+        fully_shard(model, mesh)
+        assert all(bucket_of(p)[0].mesh.shard_size == 2 for p in model.parameters())
+    else:
+        with pytest.raises(ValueError, match=rf"fully_shard's mesh .* does not include this rank \({rank}\)"):
             fully_shard(model, mesh)
         _assert_untouched(model, originals)
+    model = MLP()
+    fully_shard(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"])
+    assert all(bucket_of(p)[0].mesh.shard_size == 2 for p in model.parameters())
 
 
 def _model_checks(mesh: DeviceMesh | None, shard_world: int) -> None:
@@ -168,7 +176,7 @@ def _run_on_ranks(rank: int, world: int) -> None:
     if world == 4:
         # HSDP: sharded over the last dim of a (replicate, shard) mesh.
         _model_checks(init_device_mesh("cpu", (2, 2)), shard_world=2)
-        _check_mesh_over_fewer_ranks_is_rejected(world)
+        _check_mesh_without_this_rank_is_rejected(world)
 
 
 @pytest.mark.slow

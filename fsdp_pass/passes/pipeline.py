@@ -58,7 +58,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options)
     if not sites:
         return None
     _check_static_shapes_with_dtensor_parameters(sites, example_inputs)
-    check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses")
+    check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses", opts.mesh)
     t1 = time.perf_counter()
     sharded = shard_sites(sites, opts)
     t2 = time.perf_counter()

@@ -20,7 +20,22 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.mesh import ShardingMesh
 
-__all__ = ["ParallelMesh", "model_mesh_dims", "resolve_mesh"]
+__all__ = ["ParallelMesh", "check_rank_in_mesh", "model_mesh_dims", "resolve_mesh"]
+
+
+def check_rank_in_mesh(mesh: DeviceMesh, argument: str = "options['mesh']") -> None:
+    """Refuse a mesh that does not include this rank.
+
+    A mesh over a subset of the world is fine (pipeline stages, one data-parallel group per
+    stage): every collective the backend issues runs over that mesh's groups only. But the ranks
+    that shard or compile a model must be in its mesh.
+    """
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"{argument} {mesh} over ranks {mesh.mesh.flatten().tolist()} does not include this rank "
+            f"({dist.get_rank()}); each rank must pass a mesh it belongs to, e.g. slice it from one mesh over all "
+            f"ranks on every rank: init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))['dp']"
+        )
 
 
 def model_mesh_dims(params: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
@@ -75,12 +90,7 @@ def resolve_mesh(
         shard_dim = mesh.ndim - 1
     if not 0 <= shard_dim < mesh.ndim:
         raise ValueError(f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}")
-    if dist.is_initialized() and mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"{argument} covers {mesh.size()} ranks but the default process group has "
-            f"{dist.get_world_size()}; build the mesh over all ranks (init_device_mesh(device, shape) with "
-            f"prod(shape) == world size)"
-        )
+    check_rank_in_mesh(mesh, argument)
     return ShardingMesh(mesh, shard_dim)
 
 
@@ -110,10 +120,14 @@ class ParallelMesh:
         return self.root.size(self.names.index(name))
 
     def for_parameter(self, name: str, p: torch.Tensor) -> ShardingMesh:
-        """Shard over every dim but the replicate dim and the dims ``p``'s own DTensor placements use."""
-        own = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        if own:
-            _check_placements(name, p, self)
+        """Shard over every dim but the replicate dim and the dims ``p``'s own DTensor placements split.
+
+        A DTensor dim placed ``Replicate()`` (a row-parallel bias, a sequence-parallel norm) holds
+        the whole tensor on each of its ranks, like a plain parameter: it is sharded over that dim
+        too, and its gradient copies (``DTensor.from_local``'s backward makes them whole and equal
+        on every TP rank, all-reducing a partial one) are counted once by the divisor.
+        """
+        own = _split_dims(name, p, self) if isinstance(p, DTensor) else ()
         dims = tuple(n for n in self.names if n != self.replicate_dim and n not in own)
         data_parallel = set(self.shard_dims) | ({self.replicate_dim} if self.replicate_dim else set())
         divisor = math.prod(self.size(n) for n in data_parallel) * math.prod(
@@ -177,26 +191,42 @@ class ParallelMesh:
             )
         if rep is not None and rep in model_dims:
             raise ValueError(f"replicate_dim {rep!r} is also a dim of the model's DTensor parameters; pick another dim")
-        if dist.is_initialized() and mesh.size() != dist.get_world_size():
-            raise ValueError(
-                f"{argument} covers {mesh.size()} ranks but the default process group has {dist.get_world_size()}; "
-                f"build the mesh over all ranks"
-            )
+        check_rank_in_mesh(mesh, argument)
         return ParallelMesh(mesh, shard_dims, rep)
 
 
-def _check_placements(name: str, p: DTensor, mesh: ParallelMesh) -> None:
-    from torch.distributed.tensor import Shard
+def _split_dims(name: str, p: DTensor, mesh: ParallelMesh) -> tuple[str, ...]:
+    """Names of the dims ``p``'s placements split (``Shard``); refuses placements FSDP cannot compose with."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if p.device_mesh._get_root_mesh() is not mesh.root._get_root_mesh():
         raise ValueError(
             f"parameter {name!r} is a DTensor on {p.device_mesh}, which is not a slice of the mesh the model is "
             f"sharded over ({mesh.root}); slice its TP/EP mesh from that mesh (mesh['tp'])"
         )
-    for placement in p.placements:
-        if not isinstance(placement, Shard):
+    names = tuple(p.device_mesh.mesh_dim_names or ())
+    split = []
+    for dim, placement in zip(names, p.placements):
+        if isinstance(placement, _StridedShard):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}: a _StridedShard "
+                f"comes from another FSDP (torch's fully_shard) applied over tensor parallelism; give fsdp_pass the "
+                f"model with only its TP/EP placements (parallelize_module, no fully_shard) and let it do the "
+                f"data-parallel sharding"
+            )
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}: a Partial "
+                f"parameter holds pending sums, not values; make it Replicate() or Shard(d) first "
+                f"(p.redistribute(mesh, [Replicate()])) or a plain tensor"
+            )
+        if isinstance(placement, Shard):
+            split.append(dim)
+        elif not isinstance(placement, Replicate):
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(p.shape)}) has DTensor placements {p.placements}; FSDP composes "
-                f"with Shard placements (tensor/expert parallel weights). Keep replicated parameters as plain "
-                f"tensors: they are sharded over every dim but the replicate dim"
+                f"with Shard (tensor/expert parallel weights) and Replicate placements; redistribute it to one of "
+                f"them or keep it a plain tensor"
             )
+    return tuple(split)
