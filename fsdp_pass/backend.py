@@ -26,6 +26,7 @@ from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import copy_dynamo_graph
+from .runtime import uninitialized
 from .runtime.dbuffer import DBuffer
 
 __all__ = ["CompiledGraph", "records", "vescale"]
@@ -118,6 +119,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     buffers = rewritten.buffers
 
     def run(*args):
+        if uninitialized.any_pending():  # [Note: uninitialized shards]
+            uninitialized.check_buckets(buffers)
         for b in buffers:
             b.sync_grad_state()
         return compiled(*shards, *(a for i, a in enumerate(args) if i not in dropped))
