@@ -264,18 +264,23 @@ class MetaInit:
         self._warn_constructor_code()
         left = dict(params)
         for step in self.steps:
-            values = self._call(step)
-            for n, value in values.items():
-                p = step.module._parameters[n]
-                if self.first_owner.get(id(p)) is not step.module:
-                    continue  # a tied parameter keeps its first owner's init
-                buf, fqn = bucket_of(p)
-                buf.load_full(fqn, value)
-                mark_initialized(buf, fqn)
+            for p in self._write(step):
                 left.pop(id(p), None)
-            del values  # before the next module allocates: one module's full tensors at a time
         self._warn_order()
         return sorted(n for n, _ in left.values())
+
+    def _write(self, step: _Step) -> list[nn.Parameter]:
+        """Run ``step`` and copy this rank's pieces into the shards; its temporaries die on return."""
+        written = []
+        for n, value in self._call(step).items():
+            p = step.module._parameters[n]
+            if self.first_owner.get(id(p)) is not step.module:
+                continue  # a tied parameter keeps its first owner's init
+            buf, fqn = bucket_of(p)
+            buf.load_full(fqn, value)
+            mark_initialized(buf, fqn)
+            written.append(p)
+        return written
 
     # -- warnings ------------------------------------------------------------------------------
     def _warn_constructor_code(self) -> None:
