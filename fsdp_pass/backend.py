@@ -32,6 +32,7 @@ from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import accumulating_variant, copy_dynamo_graph
+from .runtime import uninitialized
 from .runtime.dbuffer import DBuffer, pending_leaf
 from .runtime.rebind import ShardBinding
 
@@ -139,6 +140,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if buffers is None:
             _warn_running_eagerly(result.sites[0].name)
             return eager_graph(*args)
+        if uninitialized.any_pending():  # [Note: uninitialized shards]
+            uninitialized.check_buckets(buffers)
         shards = [b.shard for b in buffers]
         rest_args = (a for i, a in enumerate(args) if i not in dropped)
         trainable = [(buffers[i], config) for i, config in accumulating.configs.items()]

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .blocks import block_size
 from .sharding.buckets import ShardingConfig, check_one_device
 from .sharding.materialize import shard_parameters
-from .sharding.meta_init import initialize_meta_parameters, meta_parameter_owners
+from .sharding.meta_init import MetaInit
 from .sharding.mesh_roles import model_mesh_dims, resolve_mesh
 
 __all__ = ["fully_shard"]
@@ -33,10 +33,15 @@ def fully_shard(
     Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
     elements). Parameter objects keep their identity, so optimizers built earlier keep working;
     buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
-    Calling it again is a no-op. A model built under ``torch.device("meta")`` gets only its local
-    shards allocated, initialized by each module's ``reset_parameters`` one module at a time. Run
-    the module through ``torch.compile(module, backend="vescale")``: eager calls on sharded
-    parameters raise an error that says so.
+    Calling it again is a no-op.
+
+    A model built under ``torch.device("meta")`` gets only its local shards allocated, and its
+    buffers on the mesh's device. Parameters are initialized by the model's own init, one module
+    at a time, in the order a real-device build would run it (bit-equal when seeded; see [Note:
+    meta-device init order] in :mod:`fsdp_pass.sharding.meta_init`): ``reset_parameters()``,
+    a no-argument ``init_weights()``, and Hugging Face ``_init_weights``. Parameters no init
+    reaches are left for a checkpoint (``dcp.load``, ``set_full_state_dict``); using one before
+    that raises an error naming it ([Note: uninitialized shards]).
 
     Args:
         module: the model.
@@ -55,7 +60,13 @@ def fully_shard(
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
-    owners = meta_parameter_owners(module, meta_ids)  # before sharding: errors leave the module as is
-    shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes), blocks)
-    initialize_meta_parameters(owners, meta_ids, torch.device(sharding_mesh.device_type))
+    init = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type))
+    init.prepare_buffers()  # before sharding: its errors leave the module as is
+    try:
+        shard_parameters(named, sharding_mesh,
+                         ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes), blocks)
+    except BaseException:
+        init.restore_buffers()
+        raise
+    init.run()
     return module

@@ -204,3 +204,115 @@ def test_hf_safetensors_round_trip(tmp_path, world, mesh_shape):
 def test_hf_safetensors_round_trip_at_four_ranks(tmp_path):
     """Four ranks on one 1-D mesh: an expert matrix spread over several ranks (Mixtral only, for time)."""
     run_distributed(_hf_worker, 4, str(tmp_path), None, ("mixtral",))
+
+
+# -- Fine-tuning a pretrained model built on the meta device (docs/howto.md) ----------------------------------------
+
+
+def _fuse_legacy_mixtral(src: str, dst: str) -> None:
+    """Rename a Mixtral ``save_pretrained`` directory to the module's parameter names.
+
+    ``save_pretrained`` writes Mixtral experts under their legacy per-expert names
+    (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``), which ``HuggingFaceStorageReader`` cannot map
+    to the fused ``mlp.experts.gate_up_proj`` / ``down_proj`` parameters: this step (one process,
+    whole tensors) writes them under the module's names, the layout DCP loads piece by piece.
+    """
+    import re
+
+    from safetensors.torch import save_file
+
+    legacy = _safetensors_dir(src)
+    out, experts = {}, {}
+    for key, value in legacy.items():
+        m = re.match(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", key)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = value
+        else:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = value
+    for layer, ws in experts.items():
+        count = 1 + max(e for e, _ in ws)
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([ws[(e, "w1")], ws[(e, "w3")]]) for e in range(count)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([ws[(e, "w2")] for e in range(count)])
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_pretrained(root: str, kinds) -> None:
+    """What a user starts from: ``save_pretrained`` directories, written by one process."""
+    for kind in kinds:
+        pretrained = os.path.join(root, kind, "pretrained")
+        _model(kind, 7).save_pretrained(pretrained)
+        if kind == "mixtral":
+            _fuse_legacy_mixtral(pretrained, os.path.join(root, kind, "load"))
+
+
+def _finetune_worker(rank: int, world: int, root: str, mesh_shape, kinds) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_pass.testing.models import lm_loss
+
+    mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
+    for kind in kinds:
+        pretrained = os.path.join(root, kind, "pretrained")
+        load_dir = os.path.join(root, kind, "load") if kind == "mixtral" else pretrained
+        torch._dynamo.reset()
+
+        # The flow of docs/howto.md: meta build, shard, load each rank's pieces, compile, train, save.
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(_config(kind))
+        fsdp_pass.fully_shard(model, mesh)
+        dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(load_dir))
+
+        reference = type(model).from_pretrained(pretrained, dtype=torch.float32)
+        expected = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        loaded = _full(model)
+        if rank == 0:
+            _assert_all_equal(loaded, expected, f"{kind} meta build + DCP load vs from_pretrained")
+        ref_buffers = dict(reference.named_buffers())
+        for name, b in model.named_buffers():
+            assert not b.is_meta and torch.equal(b, ref_buffers[name]), f"{kind}: buffer {name}"
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+        options = {"compiler": "aot_eager", **({"mesh": mesh} if mesh is not None else {})}
+        compiled = torch.compile(model, backend="vescale", options=options)
+        per_rank = 2
+        for step in range(3):
+            tokens = torch.randint(0, 67, (per_rank * world, 8), generator=torch.Generator().manual_seed(step))
+            mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+            lm_loss(compiled(mine).logits, mine).backward()
+            opt.step()
+            opt.zero_grad()
+            lm_loss(reference(tokens).logits, tokens).backward()  # equal per-rank sizes: the mean of the means
+            ref_opt.step()
+            ref_opt.zero_grad()
+        trained = _full(model)
+        if rank == 0:
+            for name, p in reference.named_parameters():
+                rel = ((trained[name] - p.detach()).norm() / p.detach().norm()).item()
+                assert rel <= 1e-5, f"{kind}: {name} differs from one process by {rel:.3g} after 3 steps"
+
+        out = os.path.join(root, kind, f"finetuned-{world}")
+        dcp.save(model.state_dict(),
+                 storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, enable_consolidation=True))
+        dist.barrier()
+        if rank == 0:
+            model.config.save_pretrained(out)
+            again = type(reference).from_pretrained(out, dtype=torch.float32)
+            _assert_all_equal({k: v.detach() for k, v in again.state_dict().items()}, trained,
+                              f"{kind} from_pretrained of the fine-tuned checkpoint")
+        dist.barrier()
+
+
+@pytest.mark.parametrize("world, mesh_shape, kinds", [(2, None, ("llama", "mixtral")), (4, (2, 2), ("llama",))],
+                         ids=["2 ranks", "2x2 HSDP"])
+def test_finetune_pretrained_from_meta_device(tmp_path, world, mesh_shape, kinds):
+    _write_pretrained(str(tmp_path), kinds)
+    run_distributed(_finetune_worker, world, str(tmp_path), mesh_shape, kinds)
+
+
+@pytest.mark.slow
+def test_finetune_pretrained_from_meta_device_at_four_ranks(tmp_path):
+    _write_pretrained(str(tmp_path), ("llama",))
+    run_distributed(_finetune_worker, 4, str(tmp_path), None, ("llama",))

@@ -34,6 +34,7 @@ import torch
 from . import collectives
 from .dbuffer import DBuffer, bucket_of, is_sharded
 from .ragged_tensor import RaggedShardTensor
+from .uninitialized import check_gathered
 
 __all__ = ["drop_gathered", "is_eager_gatherable", "reduce_eager_gradient", "whole_parameter"]
 
@@ -60,6 +61,7 @@ def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
     while len(_gathered) >= _KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
         _gathered.popitem(last=False)
     views = buf.views(buf.all_gather())
+    check_gathered(buf, views)  # [Note: uninitialized shards]
     _gathered[key] = (weakref.ref(buf), version, views)
     return views[name]
 

@@ -70,7 +70,7 @@ def resolve_mesh(
     given by name, or more than two dims, the result is a :class:`ParallelMesh`.
     """
     if model_dims or replicate_dim is not None or isinstance(shard_dim, (str, tuple, list)) or (
-        mesh is not None and isinstance(mesh, DeviceMesh) and mesh.ndim > 2
+        isinstance(mesh, DeviceMesh) and mesh.ndim > 2 and mesh.mesh_dim_names  # unnamed: the 1-D/2-D message
     ):
         return ParallelMesh.resolve(mesh, shard_dim, replicate_dim, tuple(model_dims), argument)
     if mesh is None:
@@ -84,12 +84,16 @@ def resolve_mesh(
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"{argument} has {mesh.ndim} dims {tuple(mesh.shape)}; give a 1-D mesh (FSDP) or a 2-D "
-            f"(replicate, shard) mesh (HSDP)"
+            f"(replicate, shard) mesh (HSDP). A mesh with more dims (tensor/expert parallel) needs mesh_dim_names "
+            f"and shard_dim naming its data-parallel dim(s)"
         )
     if shard_dim is None:
         shard_dim = mesh.ndim - 1
     if not 0 <= shard_dim < mesh.ndim:
-        raise ValueError(f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}")
+        raise ValueError(
+            f"shard_dim={shard_dim} is not a dim of the {mesh.ndim}-D mesh {tuple(mesh.shape)}; pass shard_dim in "
+            f"range({mesh.ndim}) (on a 2-D mesh the other dim replicates), or leave it out to shard over the last dim"
+        )
     check_rank_in_mesh(mesh, argument)
     return ShardingMesh(mesh, shard_dim)
 
