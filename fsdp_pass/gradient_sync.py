@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .runtime.dbuffer import DBuffer, bucket_of, is_sharded
 
-__all__ = ["no_sync", "set_requires_gradient_sync"]
+__all__ = ["no_sync", "reduce_gradients", "set_requires_gradient_sync"]
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:
@@ -65,3 +65,20 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     finally:
         for buf, state in zip(buffers, before):
             buf.gradient_sync = state
+
+
+def reduce_gradients(model: nn.Module) -> None:
+    """Reduce-scatter now, once per bucket, the gradients ``model`` accumulated under ``no_sync``.
+
+    For loops whose last backward also runs inside ``no_sync``: a pipeline schedule runs every
+    micro-batch's backward in one call, so wrap ``schedule.step(...)`` in ``no_sync`` and call this
+    before the optimizer step. Buckets with nothing pending are left alone.
+    """
+    buffers = _buffers(model)
+    if not all(buf.gradient_sync for buf in buffers):
+        raise ValueError(
+            f"reduce_gradients({type(model).__name__}) was called while gradient sync is off; call it after "
+            f"the no_sync block (or after set_requires_gradient_sync(model, True))"
+        )
+    for buf in buffers:
+        buf.flush_pending()

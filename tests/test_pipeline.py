@@ -8,6 +8,7 @@ global batch, then drive the stages with ``torch.distributed.pipelining`` schedu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -159,11 +160,18 @@ def test_stages_on_sub_meshes_train_like_one_process_per_stage():
 
 
 def _gradient_reductions(buffers) -> list[int]:
-    """Counters of the compiled backward's gradient reduce-scatters: one per bucket per backward run."""
+    """Counters of gradient reduce-scatters: one per bucket per syncing backward, one per flush of an
+    accumulated gradient (fsdp_pass.reduce_gradients)."""
     counts = [0]
     for buf in buffers:
         if buf.shard.requires_grad and buf.mesh.shard_size > 1:
             buf.shard.register_post_accumulate_grad_hook(lambda _: counts.__setitem__(0, counts[0] + 1))
+
+            def counted_flush(buf=buf, flush=buf.flush_pending):
+                counts[0] += bool(buf.pending_bytes)
+                flush()
+
+            buf.flush_pending = counted_flush
     return counts
 
 
@@ -176,7 +184,9 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
     whole = init_std(Llama(CFG), 0)
     reference = copy.deepcopy(whole)
     model = _stages(whole)[stage]
-    opt, ref_opt = _optimizer(model.parameters()), _optimizer(reference.parameters())
+    # SGD with momentum: a wrong gradient scale shows in the parameters (AdamW would normalize it away).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     compiled = torch.compile(model, backend="vescale", dynamic=False, options={"mesh": dp, "compiler": "aot_eager"})
     per = GLOBAL_BATCH // dp.size()
     rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
@@ -191,7 +201,10 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
     )
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     # Each micro-batch's mean loss; the schedule divides the gradients by the micro-batch count.
-    schedule = schedule_cls(pipe_stage, n_microbatches=MICRO_BATCHES, loss_fn=lm_loss)
+    # scale_grads=False: under deferred sync the gradients arrive after the schedule's step returns, too
+    # late for its division by the micro-batch count, so each micro-batch's loss carries it instead.
+    schedule = schedule_cls(pipe_stage, n_microbatches=MICRO_BATCHES, scale_grads=False,
+                            loss_fn=lambda out, target: lm_loss(out, target) / MICRO_BATCHES)
 
     reductions, per_step, worst_loss = None, [], 0.0
     for step in range(STEPS):
@@ -199,10 +212,16 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
         if reductions is not None:
             reductions[0] = 0
         losses: list[torch.Tensor] = []
-        if stage == 0:
-            schedule.step(tokens[rows])
-        else:
-            schedule.step(target=tokens[rows], losses=losses)
+        # Deferred sync: the schedule runs every micro-batch's backward inside one call, so it runs under
+        # no_sync and the sum is reduce-scattered once afterwards (the first step compiles and shards).
+        deferred = reductions is not None
+        with fsdp_pass.no_sync(compiled) if deferred else contextlib.nullcontext():
+            if stage == 0:
+                schedule.step(tokens[rows])
+            else:
+                schedule.step(target=tokens[rows], losses=losses)
+        if deferred:
+            fsdp_pass.reduce_gradients(compiled)
         if reductions is None:  # the first step compiled the stage: its buckets exist now
             buffers = fsdp_pass.explain(compiled, print_output=False).buffers
             reductions = _gradient_reductions(buffers)
@@ -217,15 +236,14 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
         ref_opt.zero_grad()
         if stage == 1:
             assert len(losses) == MICRO_BATCHES
-            total = torch.stack(losses).mean().detach()
+            total = torch.stack(losses).sum().detach()  # each is a micro-batch's loss / MICRO_BATCHES
             dist.all_reduce(total, group=dp.get_group())
             worst_loss = max(worst_loss, abs(total.item() / dp.size() - ref_loss.item()) / ref_loss.item())
     assert worst_loss <= TOLERANCE, f"{schedule_name}: loss rel diff {worst_loss:.3g}"
     worst_param = _compare_parameters(model, reference)
 
-    # Gradients are reduce-scattered once per bucket per micro-batch (sync per micro-batch); with
-    # deferred sync (no_sync on all but the last micro-batch) this becomes once per bucket.
-    syncs_per_step = MICRO_BATCHES
+    # Deferred sync: gradients are reduce-scattered once per bucket per step, not once per micro-batch.
+    syncs_per_step = 1
     assert per_step and all(n == syncs_per_step * trained_buckets for n in per_step), (per_step, trained_buckets)
     # One compiled graph per stage (forward and backward): the schedules ran the compiled path, not
     # eager; its backward reduce-scatters each bucket once, over the stage's dp ranks only.
@@ -243,5 +261,5 @@ def test_pipeline_schedule_over_sharded_stages_matches_one_process(schedule_name
     results = run_distributed(_pipeline_worker, 4, schedule_name, timeout=600, pg_timeout=120)
     print(f"{schedule_name}: " + "; ".join(
         f"rank {r}: loss {x['loss']:.2e} parameters {x['parameters']:.2e} reduce-scatters/step "
-        f"{x['reduce_scatters_per_step']} ({x['buckets']} buckets x {MICRO_BATCHES} micro-batches)"
+        f"{x['reduce_scatters_per_step']} ({x['buckets']} buckets, {MICRO_BATCHES} micro-batches)"
         for r, x in enumerate(results)))
