@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
@@ -16,6 +15,7 @@ from fsdp_pass.backend import records
 from fsdp_pass.runtime.dbuffer import DBuffer, bucket_of, is_sharded
 
 # The shared test helpers, imported in this one place.
+from fsdp_pass.testing.collectives import CountCollectives
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
@@ -23,27 +23,6 @@ TOLERANCE = 1e-5  # fp32, relative
 MICRO_BATCHES = 4
 STEPS = 2
 PER_MICRO = 2  # sequences per rank per micro-batch
-
-
-class CountCollectives:
-    """Counts the functional collectives that actually run, compiled graphs and eager flushes alike,
-    with the profiler (a dispatch mode would make Dynamo run the model eagerly instead)."""
-
-    def __init__(self):
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __enter__(self):
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
-        for event in self._prof.events():
-            namespace, _, name = event.name.partition("::")
-            if namespace == "_c10d_functional" and name != "wait_tensor":
-                self.counts[name] += 1
-        return False
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:

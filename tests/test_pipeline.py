@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
+from fsdp_pass.testing.collectives import CountCollectives
 from fsdp_pass.runtime.dbuffer import is_sharded
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
@@ -159,22 +160,6 @@ def test_stages_on_sub_meshes_train_like_one_process_per_stage():
 # ---------------------------------------------------------------------------------------------
 
 
-def _gradient_reductions(buffers) -> list[int]:
-    """Counters of gradient reduce-scatters: one per bucket per syncing backward, one per flush of an
-    accumulated gradient (fsdp_pass.reduce_gradients)."""
-    counts = [0]
-    for buf in buffers:
-        if buf.shard.requires_grad and buf.mesh.shard_size > 1:
-            buf.shard.register_post_accumulate_grad_hook(lambda _: counts.__setitem__(0, counts[0] + 1))
-
-            def counted_flush(buf=buf, flush=buf.flush_pending):
-                counts[0] += bool(buf.pending_bytes)
-                flush()
-
-            buf.flush_pending = counted_flush
-    return counts
-
-
 def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -206,28 +191,26 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
     schedule = schedule_cls(pipe_stage, n_microbatches=MICRO_BATCHES, scale_grads=False,
                             loss_fn=lambda out, target: lm_loss(out, target) / MICRO_BATCHES)
 
-    reductions, per_step, worst_loss = None, [], 0.0
+    per_step, worst_loss, trained_buckets = [], 0.0, None
     for step in range(STEPS):
         tokens = _tokens(step)
-        if reductions is not None:
-            reductions[0] = 0
         losses: list[torch.Tensor] = []
         # Deferred sync: the schedule runs every micro-batch's backward inside one call, so it runs under
         # no_sync and the sum is reduce-scattered once afterwards (the first step compiles and shards).
-        deferred = reductions is not None
-        with fsdp_pass.no_sync(compiled) if deferred else contextlib.nullcontext():
-            if stage == 0:
-                schedule.step(tokens[rows])
-            else:
-                schedule.step(target=tokens[rows], losses=losses)
+        deferred = trained_buckets is not None
+        with CountCollectives() as counted:
+            with fsdp_pass.no_sync(compiled) if deferred else contextlib.nullcontext():
+                if stage == 0:
+                    schedule.step(tokens[rows])
+                else:
+                    schedule.step(target=tokens[rows], losses=losses)
+            if deferred:
+                fsdp_pass.reduce_gradients(compiled)
         if deferred:
-            fsdp_pass.reduce_gradients(compiled)
-        if reductions is None:  # the first step compiled the stage: its buckets exist now
+            per_step.append(counted.counts["reduce_scatter_tensor"])
+        else:  # the first step compiled the stage (both graph variants come later): its buckets exist now
             buffers = fsdp_pass.explain(compiled, print_output=False).buffers
-            reductions = _gradient_reductions(buffers)
             trained_buckets = sum(1 for b in buffers if b.shard.requires_grad and b.mesh.shard_size > 1)
-        else:
-            per_step.append(reductions[0])
         opt.step()
         opt.zero_grad()
         ref_loss = lm_loss(reference(tokens), tokens)
