@@ -27,7 +27,8 @@ except OSError:  # not glibc
     _libc = None
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
+    """A ``/proc/self/status`` field in KiB (0 where it is missing)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -43,7 +44,7 @@ def trim() -> None:
 
 
 def rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
+    return status_kib("VmRSS") * 1024
 
 
 def reset_peak_rss() -> bool:
@@ -57,7 +58,7 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
+    return status_kib("VmHWM") * 1024
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import status_kib  # noqa: E402
 
 MB = 1e6
 
@@ -44,14 +46,6 @@ def _config(args):
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
         tie_word_embeddings=False, dtype="float32",
     )
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _reset_hwm() -> None:
@@ -78,14 +72,14 @@ def _phase(fn, mapped_sizes=frozenset()):
 
     from torch.profiler import ProfilerActivity, profile
 
-    rss_before = _status_kib("VmRSS") * 1024
-    anon_before = _status_kib("RssAnon") * 1024
+    rss_before = status_kib("VmRSS") * 1024
+    anon_before = status_kib("RssAnon") * 1024
     anon = [anon_before]
     done = threading.Event()
 
     def sample():
         while not done.wait(0.001):
-            anon[0] = max(anon[0], _status_kib("RssAnon") * 1024)
+            anon[0] = max(anon[0], status_kib("RssAnon") * 1024)
 
     sampler = threading.Thread(target=sample, daemon=True)
     _reset_hwm()
@@ -96,9 +90,9 @@ def _phase(fn, mapped_sizes=frozenset()):
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
-    anon[0] = max(anon[0], _status_kib("RssAnon") * 1024)
+    anon[0] = max(anon[0], status_kib("RssAnon") * 1024)
     return {"peak_alloc": _peak_alloc(prof, mapped_sizes), "peak_alloc_with_maps": _peak_alloc(prof),
-            "anon_peak": anon[0] - anon_before, "rss_peak": _status_kib("VmHWM") * 1024 - rss_before,
+            "anon_peak": anon[0] - anon_before, "rss_peak": status_kib("VmHWM") * 1024 - rss_before,
             "seconds": seconds}
 
 

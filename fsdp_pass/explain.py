@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .backend import records
-from .runtime.dbuffer import DBuffer, bucket_of, is_sharded
+from .runtime.dbuffer import DBuffer, buffers_of
 
 __all__ = ["Explanation", "explain"]
 
@@ -61,19 +61,15 @@ class Explanation:
 def explain(model: nn.Module, print_output: bool = True) -> Explanation:
     """Describe the plan (buckets, offsets, placements, padding, bytes per rank, collectives) and graphs."""
     module = getattr(model, "_orig_mod", model)
-    buffers: dict[int, DBuffer] = {}
-    for p in module.parameters():
-        if is_sharded(p):
-            buf, _ = bucket_of(p)
-            buffers.setdefault(id(buf), buf)
+    buffers = buffers_of(module)
     if not buffers:
         raise ValueError(
             "explain() found no sharded parameters; compile the model with torch.compile(model, "
             "backend='vescale') and run it once (or call fsdp_pass.fully_shard) first"
         )
-    ids = set(buffers)
+    ids = {id(b) for b in buffers}
     graphs = [r.graphs for r in records() if any(id(b) in ids for b in r.buffers)]
-    result = Explanation(sorted(buffers.values(), key=lambda b: b.index), graphs)
+    result = Explanation(sorted(buffers, key=lambda b: b.index), graphs)
     if print_output:
         print(result)
     return result

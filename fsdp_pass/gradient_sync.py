@@ -14,25 +14,21 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from .runtime.dbuffer import DBuffer, bucket_of, is_sharded
+from .runtime.dbuffer import DBuffer, buffers_of
 
 __all__ = ["no_sync", "reduce_gradients", "set_requires_gradient_sync"]
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:
     """The DBuffers holding ``model``'s sharded parameters (a compiled module's too: it shares them)."""
-    found: dict[int, DBuffer] = {}
-    for p in model.parameters():
-        if is_sharded(p):
-            buf, _ = bucket_of(p)
-            found.setdefault(id(buf), buf)
+    found = buffers_of(model)
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no sharded parameters, so there is no gradient sync to switch off; "
             f"shard it first with fsdp_pass.fully_shard(model), or run it once through "
             f"torch.compile(model, backend='vescale')"
         )
-    return list(found.values())
+    return found
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

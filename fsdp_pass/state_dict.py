@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .runtime.ragged_tensor import RaggedShardTensor, local_block
 
-__all__ = ["get_full_state_dict", "set_full_state_dict"]
+__all__ = ["get_full_state_dict", "set_full_state_dict", "whole_tensor"]
 
 
 def _is_distributed(t: torch.Tensor) -> bool:
@@ -39,13 +39,13 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offloa
     keep = not rank0_only or _first_rank_of_model(module)
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
-        whole = _whole(value) if _is_distributed(value) else value.detach()
+        whole = whole_tensor(value) if _is_distributed(value) else value.detach()
         if keep:
             out[name] = whole.cpu() if cpu_offload else whole
     return out
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """The global value of a sharded tensor: FSDP's pieces gathered first, then the TP/EP blocks.
 
     Gathering the local tensor first also serves ``Replicate()`` DTensors, whose ``full_tensor()``

@@ -19,6 +19,7 @@ import fsdp_pass
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.runtime.ragged_tensor import ragged_part
 from fsdp_pass.runtime.dbuffer import is_sharded
+from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
 STEPS, GLOBAL_BATCH, SEQ = 6, 8, 8
@@ -218,17 +219,6 @@ def _tp_model_and_optimizer(mesh):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _full_state(model, opt) -> dict[str, torch.Tensor]:
-    """Every parameter and AdamW state as a whole tensor, by FQN (a collective on sharded models)."""
-    whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()  # noqa: E731
-    names = {p: n for n, p in model.named_parameters()}
-    out = {n: whole(p) for n, p in model.named_parameters()}
-    for p, state in opt.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{names[p]}.{key}"] = whole(state[key])
-    return out
-
-
 def _save_tp_worker(rank: int, world: int, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -245,7 +235,7 @@ def _save_tp_worker(rank: int, world: int, path: str) -> None:
         opt.zero_grad()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=path)
-    full = _full_state(model, opt)
+    full = whole_state(model, opt)
     if rank == 0:
         torch.save(full, f"{path}/full.pt")
     # The whole-tensor state dict: gathered over FSDP and TP ranks, and loaded back piece by piece.
@@ -258,28 +248,12 @@ def _save_tp_worker(rank: int, world: int, path: str) -> None:
 
 
 def _load_worker(rank: int, world: int, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-    )
     from torch.distributed.device_mesh import init_device_mesh
 
     model, opt = _tp_model_and_optimizer(None)
     if world > 1:
         fsdp_pass.fully_shard(model, init_device_mesh("cpu", (world,)))
-    # A step on zero gradients creates the AdamW states the checkpoint fills in.
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    saved = torch.load(f"{path}/full.pt")
-    loaded = _full_state(model, opt)
-    assert loaded.keys() == saved.keys()
-    for name, tensor in saved.items():
-        assert torch.equal(loaded[name], tensor), f"{name} differs after loading at {world} rank(s)"
+    load_and_compare(model, opt, path, f"{world} rank(s)")
 
 
 def test_checkpoint_saved_at_tp2_fsdp2_loads_at_fsdp4_and_one_rank(tmp_path):

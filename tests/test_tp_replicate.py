@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import fsdp_pass
 from fsdp_pass.runtime.dbuffer import is_sharded
+from fsdp_pass.state_dict import whole_tensor
+from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -183,7 +185,7 @@ def _train(case: str, compiler: str, mesh) -> tuple[dict, nn.Module, torch.optim
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert is_sharded(p), f"{name} was not sharded"
-        diff = ((_whole(p) - ref_params[name]).norm() / ref_params[name].norm()).item()
+        diff = ((whole_tensor(p) - ref_params[name]).norm() / ref_params[name].norm()).item()
         assert diff <= TOLERANCE, f"{case} {compiler}: {name} rel diff {diff:.3g}"
         worst["parameters"] = max(worst["parameters"], diff)
         if name in replicated:  # the DTensor keeps its placements; its local tensor is sharded over dp x tp
@@ -197,23 +199,6 @@ def _train(case: str, compiler: str, mesh) -> tuple[dict, nn.Module, torch.optim
     return worst, model, opt
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The global value (``DTensor.full_tensor()`` of a Replicate() parameter would return its piece)."""
-    from fsdp_pass.state_dict import _whole as whole
-
-    return whole(t) if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def _full_state(model, opt) -> dict[str, torch.Tensor]:
-    whole = _whole
-    names = {p: n for n, p in model.named_parameters()}
-    out = {n: whole(p) for n, p in model.named_parameters()}
-    for p, state in opt.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{names[p]}.{key}"] = whole(state[key])
-    return out
-
-
 def _train_worker(rank: int, world: int, compiler: str, cases: tuple[str, ...], path: str | None) -> dict:
     mesh = _mesh()
     results = {}
@@ -225,34 +210,19 @@ def _train_worker(rank: int, world: int, compiler: str, cases: tuple[str, ...], 
 
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
-        full = _full_state(model, opt)
+        full = whole_state(model, opt)
         if rank == 0:
             torch.save(full, f"{path}/full.pt")
     return results
 
 
 def _load_worker(rank: int, world: int, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-    )
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _llama_model()
     opt = _optimizer(model.parameters())
     fsdp_pass.fully_shard(model, init_device_mesh("cpu", (world,)))
-    for p in model.parameters():  # a step on zero gradients creates the AdamW states the checkpoint fills in
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    saved = torch.load(f"{path}/full.pt")
-    loaded = _full_state(model, opt)
-    assert loaded.keys() == saved.keys()
-    for name, tensor in saved.items():
-        assert torch.equal(loaded[name], tensor), f"{name} differs after loading at FSDP={world}"
+    load_and_compare(model, opt, path, f"FSDP={world}")
 
 
 def _report(compiler: str, results: dict) -> None:

@@ -56,7 +56,7 @@ from .gather import GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
-__all__ = ["DBuffer", "bucket_of", "is_sharded", "is_unsharded", "mark_unsharded", "pending_leaf"]
+__all__ = ["DBuffer", "bucket_of", "buffers_of", "is_sharded", "is_unsharded", "mark_unsharded", "pending_leaf"]
 
 _BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
@@ -75,6 +75,16 @@ def is_unsharded(p: torch.Tensor) -> bool:
 def mark_unsharded(p: torch.Tensor) -> None:
     """Flag ``p`` as :func:`is_unsharded` (the flag lives in ``p.__dict__``, which the swap back takes away)."""
     setattr(p, _UNSHARDED_ATTR, True)
+
+
+def buffers_of(module: nn.Module) -> list["DBuffer"]:
+    """The DBuffers holding ``module``'s sharded parameters, in parameter order (a compiled module's too)."""
+    found: dict[int, DBuffer] = {}
+    for p in module.parameters():
+        if is_sharded(p):
+            buf, _ = bucket_of(p)
+            found.setdefault(id(buf), buf)
+    return list(found.values())
 
 
 def bucket_of(p: torch.Tensor) -> tuple["DBuffer", str]:
