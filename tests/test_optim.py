@@ -388,3 +388,39 @@ def test_adamw8bit_matches_bitsandbytes() -> None:
     for a, b in zip(ours, theirs):
         difference = (a - b).detach().abs()
         assert difference.max() <= 0.5 * lr and difference.mean() <= 0.01 * lr, (difference.max(), difference.mean())
+
+
+def _default_torch_optimizers_worker(rank: int, world: int) -> None:
+    """torch's AdamW/Adam/SGD left at foreach=None step sharded parameters with list kernels
+    ([Note: list kernels for sharded parameters]): bitwise equal to the single-tensor loop on whole
+    tensors, and the user's configuration is left as it was."""
+    import copy
+
+    from fsdp_pass.testing.models import Llama, LlamaConfig, init_std
+
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                 lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                 lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+        model = init_std(Llama(LlamaConfig()))
+        ref = copy.deepcopy(model)
+        fully_shard(model)
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        for group in ref_opt.param_groups:
+            group["foreach"] = False  # the per-parameter loop
+        seen = []  # per-optimizer hooks run after the global ones: what the step itself will use
+        opt.register_step_pre_hook(lambda o, a, k: seen.extend(g["foreach"] for g in o.param_groups))
+        g = torch.Generator().manual_seed(7)
+        for _ in range(3):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.grad = torch.randn(q.shape, generator=g)
+                p.grad = distribute_tensor(q.grad, p._spec.mesh, p.placement)
+            opt.step()
+            ref_opt.step()
+        assert seen and all(seen), seen  # the list kernels ran
+        assert all(group["foreach"] is None for group in opt.param_groups)  # and the user's setting is back
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.full_tensor(), q), type(opt).__name__
+
+
+def test_default_torch_optimizers_use_list_kernels_bitwise_equal_to_the_loop():
+    run_distributed(_default_torch_optimizers_worker, 2)

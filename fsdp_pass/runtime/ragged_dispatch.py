@@ -107,13 +107,14 @@ class _OpCall:
         Autograd counted the write on the wrapper, above dispatch; below it, writes to the pieces
         count nothing. Readers keyed on the shard's version (runtime/eager.py) must see them.
         """
+        written = []
         for arg in self.func._schema.arguments:
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = self.bound.get(arg.name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, RaggedShardTensor):
-                    torch.autograd.graph.increment_version(t._local)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = self.bound.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, RaggedShardTensor):
+                        written.append(t._local)
+        torch.autograd.graph.increment_version(written)  # one call for a whole optimizer list
 
     def run_with_replaced(self, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
         """The op itself, with every RaggedShard argument ``t`` replaced by ``replace(t)``."""
@@ -145,12 +146,12 @@ def _is_eager_model_code(call: _OpCall) -> bool:
     """Model code reading sharded parameters outside a compiled graph: a matmul, a view, a broadcast
     against activations. Optimizer and clipping math (elementwise among pieces, list ops, in-place
     writes) keeps running on the pieces."""
-    if call.pieces_are_fake or call.func._schema.is_mutable:
-        return False
+    if call.func._schema.is_mutable or _is_per_tensor_list_op(call) or call.pieces_are_fake:
+        return False  # cheap checks first: optimizer list ops must not pay for flattening their lists
     ragged = [t for t in call.leaves if isinstance(t, RaggedShardTensor)]
     if not all(map(is_eager_gatherable, ragged)):
         return False
-    return _mixes_with_plain_tensors(call) or not (_keeps_layout(call) or _is_per_tensor_list_op(call))
+    return _mixes_with_plain_tensors(call) or not _keeps_layout(call)
 
 
 def _mixes_with_plain_tensors(call: _OpCall) -> bool:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.dbuffer import DBuffer, is_sharded
 from ..runtime.eager import reduce_eager_gradient
+from ..runtime.list_kernels import install_list_kernels_for_sharded_parameters
 from ..runtime.sync_check import install_plain_gradient_check
 from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import ragged_part
@@ -70,6 +71,7 @@ def shard_parameters(
 def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     """Allocate one DBuffer per plan, fill it from the parameters' values and swap the parameters in."""
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
+    install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
     buffers: list[DBuffer] = []
     for plan in plans:
         layout, by_name = plan.layout, plan.params
