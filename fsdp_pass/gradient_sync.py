@@ -14,13 +14,18 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from .runtime.dbuffer import DBuffer, buffers_of
+from .runtime.dbuffer import DBuffer, buffers_of, is_unsharded
 
 __all__ = ["no_sync", "reduce_gradients", "set_requires_gradient_sync"]
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:
     """The DBuffers holding ``model``'s sharded parameters (a compiled module's too: it shares them)."""
+    if any(is_unsharded(p) for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__}'s parameters are inside an fsdp_pass.unshard block, where they are whole "
+            f"tensors with no gradient sync to switch; leave the unshard block first"
+        )
     found = buffers_of(model)
     if not found:
         raise ValueError(

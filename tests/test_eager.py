@@ -241,6 +241,11 @@ def _unshard(rank: int, world: int) -> None:
     lm_loss(model(tokens.chunk(world)[rank]), tokens.chunk(world)[rank]).backward()
     opt.step()  # the optimizer's handles are still the parameters
 
+    with fsdp_pass.unshard(model):
+        with pytest.raises(ValueError, match="inside an fsdp_pass.unshard block"):
+            with fsdp_pass.no_sync(model):
+                pass
+
     plain = nn.Linear(3, 3)
     with pytest.raises(ValueError, match="has no sharded parameters"):
         with fsdp_pass.unshard(plain):
