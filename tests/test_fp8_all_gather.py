@@ -22,13 +22,9 @@ from fsdp_pass.sharding.fp8_select import select_fp8_weights
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
-TOLERANCE = 1e-5  # aot_eager: bitwise on 2 ranks (asserted)
-# Inductor's fused backward rounds differently from eager; a 1e-7 difference in a master weight
-# can move an FP8 code by a whole step (1/16 relative), and AdamW carries that on (measured 2.4e-5
-# over 10 steps at lr 1e-3; 6e-4 at lr 1e-2). Step 0's loss is bitwise equal.
-INDUCTOR_TOLERANCE = 1e-4
-STEPS = 10
-LR = 1e-3  # AdamW: smaller updates, so rounding noise of the compiled backward flips fewer FP8 codes
+TOLERANCE = 1e-5  # 2 ranks are bitwise (asserted); no_sync and HSDP sum gradients in another order
+STEPS = 20
+LR = 1e-2
 CFG = dict(vocab=64, dim=128, ffn=256, heads=4, kv_heads=4, layers=2, seq=8)
 _c10d = torch.ops._c10d_functional
 
@@ -62,35 +58,43 @@ def _batch(step: int, batch: int):
     return tokens, tokens
 
 
-def _gathered_bytes(records) -> dict[str, int]:
-    """Bytes each rank puts into forward all-gathers, by dtype of the gathered input."""
-    out: dict[str, int] = {}
+def _gathered_bytes(records) -> dict[str, tuple[int, int]]:
+    """(all-gathers, bytes each rank puts into them) per step, by dtype of the gathered input: the
+    forward graph and the backward graph (its all-gathers recompute the forward's, reshard after forward)."""
+    out: dict[str, tuple[int, int]] = {}
     for record in records:
-        gm = record.modules.get("forward")
-        if gm is None:
-            continue
-        for node in gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
-            val = node.args[0].meta["val"]
-            out[str(val.dtype)] = out.get(str(val.dtype), 0) + val.numel() * val.element_size()
+        for stage in ("forward", "backward"):
+            gm = record.modules.get(stage)
+            if gm is None:
+                continue
+            for node in gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+                val = node.args[0].meta["val"]
+                count, nbytes = out.get(str(val.dtype), (0, 0))
+                out[str(val.dtype)] = (count + 1, nbytes + val.numel() * val.element_size())
     return out
 
 
-def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bool = False, mesh_shape=None):
+def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bool = False, mesh_shape=None,
+           fp8: bool = True, lr: float = LR):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig(**CFG)))
     reference = copy.deepcopy(model)
     chosen, _ = select_fp8_weights(list(reference.named_parameters()), Fp8Options())
-    _fake_quantize(reference, sorted(chosen))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-    options = {"compiler": compiler, "fp8_all_gather": True}
+    if fp8:
+        _fake_quantize(reference, sorted(chosen))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
+    options = {"compiler": compiler, "fp8_all_gather": fp8}
     dp = world
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
         options["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     compiled = torch.compile(model, backend="vescale", options=options)
+    # Under Inductor the reference is compiled by Inductor too: the same fused kernels round alike,
+    # and a rounding difference in a master weight can move an FP8 code by a whole step.
+    run_reference = torch.compile(reference, backend="inductor") if compiler == "inductor" else reference
     global_batch, micro = 8, 2 if no_sync else 1
     per_rank = global_batch // dp
     worst_loss = 0.0
@@ -117,7 +121,7 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
             for k in range(micro):
                 lo = r * per_rank + k * per_rank // micro
                 hi = r * per_rank + (k + 1) * per_rank // micro
-                piece = lm_loss(reference(inputs[lo:hi]), targets[lo:hi]) / (dp * micro)
+                piece = lm_loss(run_reference(inputs[lo:hi]), targets[lo:hi]) / (dp * micro)
                 piece.backward()
                 ref_loss = ref_loss + piece.detach()
         ref_opt.step()
@@ -136,12 +140,13 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
         bitwise &= torch.equal(full, ref)
     buffers = fsdp_pass.explain(compiled, print_output=False).buffers
     fp8_shard_elems = sum(b.layout.shard_size for b in buffers if b.fp8_tile)
+    fp8_buckets = sum(1 for b in buffers if b.fp8_tile)
     return {
         "loss_rel": worst_loss, "param_rel": worst_param, "bitwise": bitwise,
         "fp8_names": sorted(n for b in buffers if b.fp8_tile for n in b.names),
         "gathered": _gathered_bytes([r for r in fsdp_pass.backend.records()
                                      if any(id(b) in set(map(id, buffers)) for b in r.buffers)]),
-        "fp8_shard_elems": fp8_shard_elems,
+        "fp8_shard_elems": fp8_shard_elems, "fp8_buckets": fp8_buckets,
         "plan": fsdp_pass.explain(compiled, print_output=False).plan_text(),
     }
 
@@ -166,10 +171,12 @@ def _check(result: dict, label: str, tolerance: float = TOLERANCE) -> None:
 
 
 def _check_traffic(result: dict, label: str) -> float:
-    fp8_bytes = result["gathered"].get("torch.uint8", 0)
-    bf16_bytes = 2 * result["fp8_shard_elems"]  # the same buckets gathered in bf16
+    gathers, fp8_bytes = result["gathered"]["torch.uint8"]
+    assert gathers == 2 * result["fp8_buckets"]  # one per FP8 bucket in forward, one in backward
+    bf16_bytes = gathers // result["fp8_buckets"] * 2 * result["fp8_shard_elems"]  # the same gathers in bf16
     ratio = fp8_bytes / bf16_bytes
-    print(f"{label}: FP8 weights all-gather {fp8_bytes} B per rank per step vs {bf16_bytes} B in bf16: {ratio:.4f}x")
+    print(f"{label}: FP8 weights: {gathers} all-gathers, {fp8_bytes} B per rank per step (forward + backward) "
+          f"vs {bf16_bytes} B in bf16: {ratio:.4f}x")
     assert ratio <= 0.52, ratio
     return ratio
 
@@ -178,9 +185,8 @@ def test_parity_and_traffic_2_ranks():
     results = run_distributed(_both_compilers, 2)
     for compiler in ("aot_eager", "inductor"):
         for rank, r in enumerate(results):
-            _check(r[compiler], f"{compiler}/rank{rank}", TOLERANCE if compiler == "aot_eager" else INDUCTOR_TOLERANCE)
-            if compiler == "aot_eager":
-                assert r[compiler]["bitwise"]
+            _check(r[compiler], f"{compiler}/rank{rank}")
+            assert r[compiler]["bitwise"]
         r = results[0][compiler]
         assert r["fp8_names"] == [f"layers.{i}.{w}.weight" for i in range(2)
                                   for w in ("attn.wk", "attn.wo", "attn.wq", "attn.wv", "ffn.w1", "ffn.w2", "ffn.w3")]
@@ -242,3 +248,18 @@ def test_no_eligible_weight_warns():
     with pytest.warns(UserWarning, match="found no eligible weight"):
         tiles, _ = _fp8_plan(named, Options.from_dict({"fp8_all_gather": True}))
     assert tiles == {}
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    return _train(rank, world, "aot_eager", steps=6, lr=1e-3)
+
+
+@pytest.mark.slow
+def test_parity_4_ranks():
+    """4 ranks: gloo sums the four gradient pieces in its own order (per element, around its ring),
+    not the reference's; a last-bit difference in a master weight can move an FP8 code by a whole
+    step, and AdamW at lr 1e-2 carries that to ~1e-4 in 5 steps. At lr 1e-3 it stays under 1e-5."""
+    results = run_distributed(_four_ranks, 4)
+    for rank, r in enumerate(results):
+        _check(r, f"4 ranks/rank{rank}")
+    _check_traffic(results[0], "4 ranks")
