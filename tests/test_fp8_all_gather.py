@@ -263,3 +263,15 @@ def test_parity_4_ranks():
     for rank, r in enumerate(results):
         _check(r, f"4 ranks/rank{rank}")
     _check_traffic(results[0], "4 ranks")
+
+
+def test_plan_cli_fp8(capsys):
+    """``python -m fsdp_pass plan --fp8``: all-gather bytes per rank with and without FP8."""
+    import json
+
+    from fsdp_pass.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--world-size", "64", "--fp8", "--json"]) == 0
+    comm = json.loads(capsys.readouterr().out)["comm_bytes_per_rank"]
+    # Layers in FP8 (~half), embeddings and the head in bf16.
+    assert 0.5 < comm["all_gather_forward"] / comm["all_gather_forward_without_fp8"] < 0.6
