@@ -75,10 +75,10 @@ def _gathered_bytes(records) -> dict[str, tuple[int, int]]:
 
 
 def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bool = False, mesh_shape=None,
-           fp8: bool = True, lr: float = LR):
+           fp8: bool = True, lr: float = LR, **cfg):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = init_std(Llama(LlamaConfig(**CFG)))
+    model = init_std(Llama(LlamaConfig(**{**CFG, **cfg})))
     reference = copy.deepcopy(model)
     chosen, _ = select_fp8_weights(list(reference.named_parameters()), Fp8Options())
     if fp8:
@@ -194,13 +194,16 @@ def test_parity_and_traffic_2_ranks():
 
 
 def _no_sync(rank: int, world: int) -> dict:
-    return _train(rank, world, "aot_eager", steps=4, no_sync=True)
+    return _train(rank, world, "aot_eager", steps=4, no_sync=True, kv_heads=2)
 
 
 def test_no_sync_accumulating_variant():
-    """Two micro-batches per step, the first under fsdp_pass.no_sync: the accumulating graph copy keeps fp8=."""
+    """Two micro-batches per step, the first under fsdp_pass.no_sync: the accumulating graph copy keeps fp8=.
+    With 2 KV heads wk and wv have 64 rows: they stay in param_dtype and explain() names them."""
     for rank, r in enumerate(run_distributed(_no_sync, 2)):
         _check(r, f"no_sync/rank{rank}")
+        assert "fp8_all_gather left out: layers.1.attn.wv.weight (64 rows per matrix" in r["plan"]
+        assert "layers.0.attn.wk.weight" not in r["fp8_names"] and "layers.0.ffn.w2.weight" in r["fp8_names"]
 
 
 def _hsdp(rank: int, world: int) -> dict:
@@ -246,7 +249,7 @@ def test_no_eligible_weight_warns():
 
     named = [("proj.weight", nn.Parameter(torch.ones(128, 128))), ("head.weight", nn.Parameter(torch.ones(4, 128)))]
     with pytest.warns(UserWarning, match="found no eligible weight"):
-        tiles, _ = _fp8_plan(named, Options.from_dict({"fp8_all_gather": True}))
+        tiles, _, _ = _fp8_plan(named, Options.from_dict({"fp8_all_gather": True}))
     assert tiles == {}
 
 
