@@ -334,6 +334,8 @@ def parse_args(argv=None):
     s.add_argument("--mp", choices=("none", "bf16"), default="none",
                    help="bf16: gather and compute in bf16, reduce gradients in fp32")
     s.add_argument("--bucket-size", type=int, default=None, help="most elements per communication bucket")
+    s.add_argument("--fp8", action="store_true",
+                   help="all-gather the block weights as FP8 codes + 128x128 tile scales (docs/fp8.md)")
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     o = p.add_argument_group("output")
@@ -445,6 +447,8 @@ def main(argv=None) -> dict:
         options["mp_policy"] = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     if args.bucket_size:
         options["bucket_size"] = args.bucket_size
+    if args.fp8:
+        options["fp8_all_gather"] = True
     compiled = torch.compile(model, backend="vescale", options=options)
 
     mesh_text = "none (1 process)" if mesh is None else "x".join(map(str, mesh.shape)) + f" {mesh.mesh_dim_names}"

@@ -92,7 +92,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = dict(bucket_size=args.bucket_size, block_rows=block_rows, param_dtype=param_dtype,
                    reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                    optimizer=args.optimizer, reshard_after_forward=not args.no_reshard_after_forward)
-    parallel = dict(tp=args.tp, ep=args.ep)
+    parallel = dict(tp=args.tp, ep=args.ep, fp8=args.fp8)
     started = time.perf_counter()
     try:
         model = load_model(args.model, param_dtype)
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="adamw: 2 fp32 states per element; sgd: 1 (momentum); none (default: adamw)")
     plan.add_argument("--no-reshard-after-forward", action="store_true",
                       help="keep gathered parameters from forward to backward (no backward all_gather)")
+    plan.add_argument("--fp8", action="store_true",
+                      help="all-gather block weights as FP8 codes + 128x128 tile scales (docs/fp8.md): "
+                           "the all_gather bytes with and without")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--png", metavar="PATH",
                       help="also chart padding and per-rank parameter memory for 2, 4, ... shard ranks (matplotlib)")

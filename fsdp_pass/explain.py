@@ -33,6 +33,7 @@ class Explanation:
                 f"bucket {b.index}: {len(b.names)} params, dtype {b.dtype}, S={b.layout.shard_size} x "
                 f"{m.shard_size} ranks (replicated x{m.replicate_size}), padding {b.layout.padding} "
                 f"({b.layout.padding / max(b.layout.global_size, 1):.2%})"
+                + (f", FP8 all-gather (tile {b.fp8_tile})" if b.fp8_tile else "")
             )
             for name in b.names:
                 lo, hi = b.layout.global_range(name)
@@ -42,6 +43,9 @@ class Explanation:
                     dims = ", ".join(f"{pl} over {d}" for pl, d in zip(spec.placements, spec.mesh.mesh_dim_names))
                     placement = f"{dims} of {tuple(spec.shape)}, then {placement}"
                 lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {placement}")
+        for b in self.buffers:  # [Note: FP8 all-gather]: candidates kept in param_dtype
+            for name, why in b.fp8_skipped.items():
+                lines.append(f"fp8_all_gather left out: {name} ({why})")
         per_rank = self.bytes_per_rank()
         lines.append(f"per rank: parameters {per_rank['params']} B, gradients {per_rank['grads']} B")
         lines.append(

@@ -7,7 +7,55 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Options"]
+__all__ = ["Fp8Options", "Options"]
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """``options["fp8_all_gather"]``, validated ([Note: FP8 all-gather] in runtime/gather.py).
+
+    Attributes:
+        tile: tiles are ``tile × tile`` elements with one float32 scale each (default 128).
+        include: fnmatch patterns of parameter names gathered in FP8 besides the default ones
+            (2-D / stacked 3-D weights of repeated units such as ``layers.3``).
+        exclude: fnmatch patterns of parameter names kept in ``param_dtype``.
+    """
+
+    tile: int = 128
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, value: Any) -> "Fp8Options | None":
+        if value is None or value is False:
+            return None
+        if isinstance(value, Fp8Options):
+            return value
+        if value is True:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"options['fp8_all_gather'] is {value!r}; use True or a dict with keys 'tile', 'include', 'exclude'"
+            )
+        unknown = sorted(set(value) - {"tile", "include", "exclude"})
+        if unknown:
+            raise ValueError(f"unknown options['fp8_all_gather'] key(s) {unknown}; use 'tile', 'include', 'exclude'")
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(
+                f"options['fp8_all_gather'] needs torch.float8_e4m3fn, which this torch build ({torch.__version__}) "
+                f"lacks; upgrade torch (2.1 or later) or drop the option"
+            )
+        tile = value.get("tile", 128)
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            raise ValueError(f"options['fp8_all_gather']['tile'] must be a positive integer (e.g. 128), got {tile!r}")
+        patterns = {}
+        for key in ("include", "exclude"):
+            given = value.get(key, ())
+            given = (given,) if isinstance(given, str) else tuple(given)
+            if not all(isinstance(g, str) for g in given):
+                raise ValueError(f"options['fp8_all_gather']['{key}'] must be fnmatch patterns (strings), got {given!r}")
+            patterns[key] = given
+        return cls(tile, patterns["include"], patterns["exclude"])
 
 
 @dataclass(frozen=True)
@@ -39,6 +87,10 @@ class Options:
             overlap scheduling off).
         max_inflight_bytes: most bytes of gathered buckets in flight at once when prefetching
             (default: no bound).
+        fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}`` (fnmatch
+            patterns on parameter names): gather the 2-D / stacked 3-D weights of repeated units as
+            FP8 codes + one scale per tile (see [Note: FP8 all-gather] in runtime/gather.py and
+            docs/fp8.md). Held as an :class:`Fp8Options` (None: off).
     """
 
     mesh: Any = None
@@ -54,9 +106,10 @@ class Options:
     align_bytes: int = 16
     prefetch: int = 1
     max_inflight_bytes: int | None = None
+    fp8_all_gather: "Fp8Options | None" = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
-              "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes")
+              "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -74,6 +127,7 @@ class Options:
                 raise ValueError(f"unknown mp_policy key(s) {sorted(extra)}; use param_dtype and reduce_dtype")
             options["param_dtype"] = get("param_dtype", None)
             options["reduce_dtype"] = get("reduce_dtype", None)
+        options["fp8_all_gather"] = Fp8Options.parse(options.get("fp8_all_gather"))
         made = cls(**options)
         if made.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")

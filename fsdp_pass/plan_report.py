@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from .parallel_rules import composed_mesh_and_parameters
 from .runtime.dbuffer import DBuffer
 from .blocks import block_elements
+from .options import Fp8Options
+from .sharding.fp8_select import lcm_blocks, select_fp8_weights
 from .sharding.buckets import ShardingConfig, unit_key
 from .sharding.materialize import shard_parameters
 from .sharding.mesh_roles import resolve_mesh
@@ -47,6 +49,7 @@ class BucketStats:
     itemsize: int
     trainable: bool
     split: int = 1  # tensor/expert parallel ranks that each hold a different part of these tensors
+    fp8_bytes: int = 0  # FP8 all-gather: bytes each rank puts in (codes + scales); 0: gathered in param_dtype
 
     @property
     def copies(self) -> int:
@@ -92,6 +95,7 @@ class PlanSummary:
     seconds: float
     tp: int = 1  # tensor parallel ranks, next to mesh_shape
     ep: int = 1  # expert parallel ranks, part of the shard ranks
+    fp8: bool = False  # --fp8: block weights all-gathered as FP8 codes + tile scales (docs/fp8.md)
 
     @property
     def world_size(self) -> int:
@@ -128,7 +132,8 @@ class PlanSummary:
     def comm_bytes_per_rank(self) -> dict[str, int]:
         """Bytes each rank sends per training step (it receives as many)."""
         r = self.replicate_size
-        gather = sum(b.copies * (b.world_size - 1) * b.shard_size for b in self.buckets) * self.param_dtype.itemsize
+        plain = self.param_dtype.itemsize
+        gather = sum(b.copies * (b.world_size - 1) * (b.fp8_bytes or b.shard_size * plain) for b in self.buckets)
         trainable = [b for b in self.buckets if b.trainable]
         grad_shards = sum(b.copies * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
         scatter = sum(b.copies * (b.world_size - 1) * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
@@ -139,6 +144,9 @@ class PlanSummary:
             "all_reduce_replicas": 2 * (r - 1) * grad_shards // r,
         }
         out["total"] = sum(out.values())
+        if self.fp8:
+            out["all_gather_forward_without_fp8"] = sum(
+                b.copies * (b.world_size - 1) * b.shard_size for b in self.buckets) * plain
         return out
 
     def to_dict(self) -> dict:
@@ -175,7 +183,8 @@ class PlanSummary:
         """Dtype, block and bucket settings, in words."""
         blocks = "element" if self.block_rows == 0 else f"{self.block_rows}-row"
         limit = "no bucket size limit" if self.bucket_size is None else f"buckets <= {self.bucket_size:,} elements"
-        return f"{_dtype_name(self.param_dtype)} parameters, {blocks} blocks, {limit}"
+        fp8 = ", FP8 all-gather of block weights" if self.fp8 else ""
+        return f"{_dtype_name(self.param_dtype)} parameters, {blocks} blocks, {limit}{fp8}"
 
     def to_text(self) -> str:
         m, r = self.shard_size, self.replicate_size
@@ -208,7 +217,8 @@ class PlanSummary:
         comm = self.comm_bytes_per_rank()
         lines += [
             "communication per step, bytes each rank sends (and receives), ring cost",
-            f"  all_gather forward       {_size(comm['all_gather_forward'])}",
+            f"  all_gather forward       {_size(comm['all_gather_forward'])}"
+            + (f"   (without FP8: {_size(comm['all_gather_forward_without_fp8'])})" if self.fp8 else ""),
             f"  all_gather backward      {_size(comm['all_gather_backward'])}"
             f"   ({'reshard after forward' if self.reshard_after_forward else 'kept from forward'})",
             f"  reduce_scatter           {_size(comm['reduce_scatter'])}   "
@@ -285,6 +295,7 @@ def plan_model(
     reshard_after_forward: bool = True,
     tp: int = 1,
     ep: int = 1,
+    fp8: bool = False,
 ) -> PlanSummary:
     """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
@@ -294,7 +305,8 @@ def plan_model(
     MLP projections by name); ``ep``: expert parallel ranks taken from the shard ranks (stacked
     experts split on their first dim; per-expert modules dealt out, ``E/ep`` to each EP rank); the
     rules are :mod:`fsdp_pass.parallel_rules`. Each parameter is then sharded over the ranks its split
-    leaves (:class:`~fsdp_pass.sharding.mesh_roles.ParallelMesh`).
+    leaves (:class:`~fsdp_pass.sharding.mesh_roles.ParallelMesh`). ``fp8``: the weights
+    ``options={"fp8_all_gather": True}`` selects get 128-row blocks and FP8 buckets (docs/fp8.md).
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
@@ -316,14 +328,27 @@ def plan_model(
             mesh, distinct = composed_mesh_and_parameters(mesh_shape, tp, ep, distinct)
             blocks.update({n: block_elements(tuple(p._local_tensor.shape), block_rows)
                            for n, p in distinct if hasattr(p, "_local_tensor")})
-        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks)
+        fp8_tiles = {}
+        if fp8:
+            chosen, _ = select_fp8_weights(distinct, Fp8Options())
+            blocks = lcm_blocks(blocks, chosen)
+            fp8_tiles = {n: Fp8Options().tile for n in chosen}
+        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks, fp8_tiles)
         stats = [
             BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
-                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad, _split(buf))
+                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad, _split(buf),
+                        _fp8_bytes(buf))
             for buf in buffers
         ]
     trainable = [(buf, s.copies) for buf, s in zip(buffers, stats) if s.trainable]
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
                        bucket_size, reshard_after_forward, tuple(stats), least_padding,
-                       time.perf_counter() - started, tp, ep)
+                       time.perf_counter() - started, tp, ep, fp8)
+
+
+def _fp8_bytes(buf: DBuffer) -> int:
+    """Bytes one rank puts into an FP8 bucket's all-gather: codes (rounded up to 4) + its scale slots."""
+    if not buf.fp8_tile:
+        return 0
+    return -(-buf.layout.shard_size // 4) * 4 + 4 * buf.fp8_gather().scale_slots

@@ -97,10 +97,13 @@ def rewrite_parameters(
         shard._dynamo_source = None
         shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
         new_inputs.append(buf)
-        config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype)
+        config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype, fp8=True)
         configs.append(config)
+        kwargs = config._asdict()
+        if config.fp8 is None:  # only FP8 buckets name it ([Note: FP8 all-gather] in runtime/gather.py)
+            del kwargs["fp8"]
         with graph.inserting_before(min(users, key=order.__getitem__)):
-            full = graph.call_function(gather_bucket, (shard,), config._asdict())
+            full = graph.call_function(gather_bucket, (shard,), kwargs)
             pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))
             for site in members:
                 _, name = buckets[site.name]

@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..runtime.gather import fp8_pack_shard, fp8_unpack
+
 __all__ = ["GATHER_CHAIN_OPS", "schedule_overlap", "tag_reshard_after_forward"]
 
 _aten = torch.ops.aten
@@ -38,8 +40,10 @@ GATHER_CHAIN_OPS = {
     _aten.slice.Tensor,
     _aten.unsqueeze.default,
     _aten.squeeze.dim,
+    fp8_unpack._opoverload,  # [Note: FP8 all-gather]: dequantized after the gather, recomputed with it
 }
-_CASTS = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+# What turns a shard into the all-gather's input: a cast, or the FP8 quantize-and-pack ([Note: FP8 all-gather]).
+_CASTS = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default, fp8_pack_shard._opoverload}
 _RECOMPUTE_GRAPH_ID = 1_000_003  # any id distinct from user activation-checkpoint regions
 
 

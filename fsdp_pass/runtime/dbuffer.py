@@ -52,7 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..placement import RaggedShard
 from ..planner import Layout
-from .gather import GatherConfig, gather_bucket, reduce_gradient
+from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
 
@@ -104,6 +104,8 @@ class DBuffer:
         dtype, device: of the master shard (one DBuffer per dtype).
         requires_grad: whether the shard collects gradients (False for frozen parameters).
         dtensor_specs: for DTensor parameters, their DTensor spec (mesh, placements, global shape).
+        fp8_tile: compiled gathers move FP8 codes + scales of ``fp8_tile``-square tiles (every
+            parameter's block is whole panels of ``fp8_tile`` rows); see [Note: FP8 all-gather].
     """
 
     def __init__(
@@ -116,12 +118,15 @@ class DBuffer:
         requires_grad: bool = True,
         index: int = 0,
         dtensor_specs: dict[str, DTensorSpec] | None = None,
+        fp8_tile: int | None = None,
     ) -> None:
         self.layout = layout
         self.dtensor_specs = dict(dtensor_specs or {})
         self.shapes = {n: torch.Size(shapes[n]) for n in layout.names}
         self.mesh = mesh
         self.index = index
+        self.fp8_tile = fp8_tile
+        self.fp8_skipped: dict[str, str] = {}  # FP8 candidates here kept in param_dtype → why (for explain())
         # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
@@ -299,13 +304,32 @@ class DBuffer:
         """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
         return gather_bucket(self.shard.detach(), **self.config(dtype or self.dtype, self.dtype)._asdict())
 
-    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> GatherConfig:
-        """The static arguments of :func:`gather_bucket` for this bucket."""
+    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp8: bool = False) -> GatherConfig:
+        """The static arguments of :func:`gather_bucket` for this bucket (``fp8``: the compiled
+        gathers of an FP8 bucket, [Note: FP8 all-gather]; eager gathers stay exact)."""
         m = self.mesh
         shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
-        return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group, m.divisor)
+        return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group,
+                            m.divisor, self.fp8_gather() if fp8 and self.fp8_tile else None)
+
+    def fp8_gather(self) -> Fp8Gather:
+        """Every rank's pieces of this FP8 bucket ([Note: FP8 all-gather]): whole panels of ``fp8_tile`` rows."""
+        tile, world = self.fp8_tile, self.mesh.shard_size
+        pieces, slots = [], [0] * world
+        for name in self.names:
+            shape = self.shapes[name]
+            cols = shape[-1]
+            for rank in range(world):
+                lo, hi = self.layout.local_range(name, rank)
+                if hi <= lo:
+                    continue
+                panels = (hi - lo) // (tile * cols)
+                offset = self.layout.shard_range(name, rank)[0]
+                pieces.append((rank, offset, panels, cols, slots[rank]))
+                slots[rank] += panels * -(-cols // tile)
+        return Fp8Gather(tile, self.rank, max(slots), tuple(pieces))
 
     def __repr__(self) -> str:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"

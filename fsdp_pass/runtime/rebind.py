@@ -86,7 +86,7 @@ class ShardBinding:
             if found[j] is None:
                 config = self._configs[j]
                 if (buf.segment_sizes() != self._sizes[j] or buf.dtype != self.buffers[j].dtype
-                        or buf.config(config.param_dtype, config.reduce_dtype) != config):
+                        or buf.config(config.param_dtype, config.reduce_dtype, config.fp8 is not None) != config):
                     return None
                 found[j] = buf
             if buf is not found[j] or buf.segment_index(name) != segment:

@@ -53,6 +53,7 @@ class BucketPlan:
     trainable: bool  # whether the shard collects gradients
     mesh: ShardingMesh  # the ranks this bucket is sharded over
     params: dict[str, nn.Parameter]  # FQN → the parameter object to swap (a superset of layout.names)
+    fp8_tile: int | None = None  # its parameters are gathered in FP8 ([Note: FP8 all-gather])
 
 
 # Collective cost model: time = latency + bytes / bandwidth. Below latency x bandwidth bytes a
@@ -114,24 +115,28 @@ def plan_parameter_buckets(
     mesh: ShardingMesh | ParallelMesh,
     config: ShardingConfig,
     block_sizes: Mapping[str, int],
+    fp8_tiles: Mapping[str, int] | None = None,
 ) -> list[BucketPlan]:
     """Bucket plans for parameters not sharded yet, given in first-use order (each object once).
 
     Units (:func:`unit_key`) in first-use order; within a unit, one group per (dtype, trainable,
     sharding mesh); groups under ``config.min_bucket_bytes`` merge with their neighbours; then the
-    planner lays out each group (split at ``config.bucket_numel``).
+    planner lays out each group (split at ``config.bucket_numel``). Parameters in ``fp8_tiles``
+    (gathered in FP8) form groups of their own ([Note: FP8 all-gather] in runtime/gather.py).
     """
+    fp8_tiles = fp8_tiles or {}
     check_one_device(todo)
     units: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, p in todo:
-        units.setdefault((unit_key(name), p.dtype, p.requires_grad, mesh.for_parameter(name, p)), []).append((name, p))
+        key = (unit_key(name), p.dtype, p.requires_grad, mesh.for_parameter(name, p), fp8_tiles.get(name))
+        units.setdefault(key, []).append((name, p))
     min_bytes = config.min_bucket_bytes
     if min_bytes is None:
         min_bytes = default_min_bucket_bytes(mesh.device_type)
     groups = _merge_small_units(list(units.items()), min_bytes, config.bucket_numel)
 
     plans: list[BucketPlan] = []
-    for (_, dtype, trainable, bucket_mesh), members in groups:
+    for (_, dtype, trainable, bucket_mesh, fp8_tile), members in groups:
         itemsize = min(dtype.itemsize, (config.param_dtype or dtype).itemsize)
         align = max(1, config.align_bytes // itemsize)
         specs = []
@@ -146,7 +151,7 @@ def plan_parameter_buckets(
             specs.append(TensorSpec(name, local.numel(), block_for_placements(p, block), tuple(local.shape)))
         by_name = dict(members)
         for layout in plan_buckets(specs, bucket_mesh.shard_size, align=align, max_bucket_numel=config.bucket_numel):
-            plans.append(BucketPlan(layout, dtype, trainable, bucket_mesh, by_name))
+            plans.append(BucketPlan(layout, dtype, trainable, bucket_mesh, by_name, fp8_tile))
     return plans
 
 

@@ -45,12 +45,14 @@ def shard_parameters(
     mesh: ShardingMesh | ParallelMesh,
     config: ShardingConfig = ShardingConfig(),
     block_sizes: Mapping[str, int] | None = None,
+    fp8_tiles: Mapping[str, int] | None = None,
 ) -> list[DBuffer]:
     """Plan buckets for the parameters (in the given order) and swap each into a RaggedShard parameter.
 
     Parameters already sharded are skipped (their DBuffer is kept). A parameter object listed twice
     (tied weights) is sharded once. Returns the new DBuffers. A tensor/expert-parallel DTensor
-    parameter stays a DTensor (see [Note: FSDP over TP/EP]).
+    parameter stays a DTensor (see [Note: FSDP over TP/EP]). ``fp8_tiles`` (name → tile) are
+    the weights gathered in FP8, planned into buckets of their own ([Note: FP8 all-gather]).
     """
     seen: set[int] = set()
     todo: list[tuple[str, nn.Parameter]] = []
@@ -61,7 +63,7 @@ def shard_parameters(
         if id(p) not in seen:
             seen.add(id(p))
             todo.append((name, p))
-    plans = plan_parameter_buckets(todo, mesh, config, dict(block_sizes or {}))
+    plans = plan_parameter_buckets(todo, mesh, config, dict(block_sizes or {}), fp8_tiles)
     for name, p in todo:  # every check before the first swap: an error must never leave a module half sharded
         if not isinstance(p, DTensor):
             check_swappable(p, f"parameter {name!r}")
@@ -81,7 +83,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
         if device.type == "meta":  # only the local shard is allocated; meta_init fills it
             device = torch.device(device_type)
         buf = DBuffer(layout, shapes, plan.mesh, plan.dtype, device, plan.trainable, index=next(_bucket_ids),
-                      dtensor_specs=specs)
+                      dtensor_specs=specs, fp8_tile=plan.fp8_tile)
         for name in layout.names:
             if not by_name[name].is_meta:
                 buf.load_full(name, ragged_part(by_name[name]))
