@@ -74,8 +74,20 @@ def _gathered_bytes(records) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _optimizers(kind: str, model: nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+    """AdamW, or block optimizers on the same (fp32 master) parameters: FP8 changes only the gathers."""
+    from fsdp_pass.optim import AdamW8bit, Muon, muon_param_groups
+
+    if kind == "adamw8bit":
+        return [AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1)]
+    if kind == "muon":  # the layer matrices to Muon, the rest to AdamW
+        matrices, rest = muon_param_groups(model)
+        return [Muon([p for _, p in matrices], lr=lr), torch.optim.AdamW([p for _, p in rest], lr=lr)]
+    return [torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)]
+
+
 def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bool = False, mesh_shape=None,
-           fp8: bool = True, lr: float = LR, **cfg):
+           fp8: bool = True, lr: float = LR, optimizer: str = "adamw", **cfg):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig(**{**CFG, **cfg})))
@@ -83,8 +95,7 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
     chosen, _ = select_fp8_weights(list(reference.named_parameters()), Fp8Options())
     if fp8:
         _fake_quantize(reference, sorted(chosen))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
+    opts, ref_opts = _optimizers(optimizer, model, lr), _optimizers(optimizer, reference, lr)  # before sharding
     options = {"compiler": compiler, "fp8_all_gather": fp8}
     dp = world
     if mesh_shape is not None:
@@ -112,8 +123,9 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
                 loss = lm_loss(compiled(x[part]), y[part]) / micro
                 loss.backward()
             loss_sum += loss.detach()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         # The global batch in the ranks' pieces, each loss scaled by a power of two: the same
         # gradient sum the reduce-scatter forms (exact for 2 ranks), so quantization sees the same weights.
         ref_loss = 0.0
@@ -124,8 +136,9 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
                 piece = lm_loss(run_reference(inputs[lo:hi]), targets[lo:hi]) / (dp * micro)
                 piece.backward()
                 ref_loss = ref_loss + piece.detach()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
         global_loss = torch.as_tensor(loss_sum).clone()
         dist.all_reduce(global_loss)
         global_loss /= world
@@ -204,6 +217,18 @@ def test_no_sync_accumulating_variant():
         _check(r, f"no_sync/rank{rank}")
         assert "fp8_all_gather left out: layers.1.attn.wv.weight (64 rows per matrix" in r["plan"]
         assert "layers.0.attn.wk.weight" not in r["fp8_names"] and "layers.0.ffn.w2.weight" in r["fp8_names"]
+
+
+def _block_optimizers(rank: int, world: int) -> list[dict]:
+    return [_train(rank, world, "aot_eager", steps=3, optimizer=kind) for kind in ("adamw8bit", "muon")]
+
+
+def test_composes_with_adamw8bit_and_muon():
+    """The fp32 master shards are unchanged, so the block optimizers step them as without FP8."""
+    for rank, results in enumerate(run_distributed(_block_optimizers, 2)):
+        for kind, r in zip(("adamw8bit", "muon"), results):
+            _check(r, f"{kind}/rank{rank}")
+            assert r["fp8_buckets"] > 0
 
 
 def _hsdp(rank: int, world: int) -> dict:
