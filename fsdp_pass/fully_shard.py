@@ -9,7 +9,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .blocks import block_size
+from .options import Fp8Options
 from .sharding.buckets import ShardingConfig, check_one_device
+from .sharding.fp8_select import lcm_blocks, plan_fp8
 from .sharding.materialize import shard_parameters
 from .sharding.meta_init import MetaInit
 from .sharding.mesh_roles import model_mesh_dims, resolve_mesh
@@ -27,6 +29,7 @@ def fully_shard(
     min_bucket_bytes: int | None = None,
     block_sizes: Mapping[str, Any] | None = None,
     align_bytes: int = 16,
+    fp8_all_gather: bool | Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
@@ -53,20 +56,26 @@ def fully_shard(
         min_bucket_bytes: smaller units are merged with neighbours (default: cost model; 0: never).
         block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
         align_bytes: alignment of tensor starts and shard sizes.
+        fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}``: the layer
+            weights get tile-row blocks and buckets of their own, which the compiled graph gathers as
+            FP8 codes and block scales (see ``docs/fp8.md``).
     """
     named = list(module.named_parameters(remove_duplicate=True))
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
                                  model_dims=model_mesh_dims(named))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    fp8 = plan_fp8(named, Fp8Options.parse(fp8_all_gather, "fully_shard's fp8_all_gather"), "fully_shard's fp8_all_gather")
     check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
     init = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type))
     init.prepare_buffers()  # before sharding: its errors leave the module as is
     try:
         shard_parameters(named, sharding_mesh,
-                         ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes), blocks)
+                         ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes),
+                         lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     except BaseException:
         init.restore_buffers()
         raise
+    fp8.record_left_out(named)
     init.run()
     return module

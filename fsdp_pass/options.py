@@ -26,7 +26,8 @@ class Fp8Options:
     exclude: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, value: Any) -> "Fp8Options | None":
+    def parse(cls, value: Any, argument: str = "options['fp8_all_gather']") -> "Fp8Options | None":
+        """``value`` checked; ``argument`` names it in messages (the backend option, or fully_shard's keyword)."""
         if value is None or value is False:
             return None
         if isinstance(value, Fp8Options):
@@ -35,25 +36,25 @@ class Fp8Options:
             value = {}
         if not isinstance(value, Mapping):
             raise ValueError(
-                f"options['fp8_all_gather'] is {value!r}; use True or a dict with keys 'tile', 'include', 'exclude'"
+                f"{argument} is {value!r}; use True or a dict with keys 'tile', 'include', 'exclude'"
             )
         unknown = sorted(set(value) - {"tile", "include", "exclude"})
         if unknown:
-            raise ValueError(f"unknown options['fp8_all_gather'] key(s) {unknown}; use 'tile', 'include', 'exclude'")
+            raise ValueError(f"unknown {argument} key(s) {unknown}; use 'tile', 'include', 'exclude'")
         if not hasattr(torch, "float8_e4m3fn"):
             raise ValueError(
-                f"options['fp8_all_gather'] needs torch.float8_e4m3fn, which this torch build ({torch.__version__}) "
+                f"{argument} needs torch.float8_e4m3fn, which this torch build ({torch.__version__}) "
                 f"lacks; upgrade torch (2.1 or later) or drop the option"
             )
         tile = value.get("tile", 128)
         if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-            raise ValueError(f"options['fp8_all_gather']['tile'] must be a positive integer (e.g. 128), got {tile!r}")
+            raise ValueError(f"{argument}['tile'] must be a positive integer (e.g. 128), got {tile!r}")
         patterns = {}
         for key in ("include", "exclude"):
             given = value.get(key, ())
             given = (given,) if isinstance(given, str) else tuple(given)
             if not all(isinstance(g, str) for g in given):
-                raise ValueError(f"options['fp8_all_gather']['{key}'] must be fnmatch patterns (strings), got {given!r}")
+                raise ValueError(f"{argument}['{key}'] must be fnmatch patterns (strings), got {given!r}")
             patterns[key] = given
         return cls(tile, patterns["include"], patterns["exclude"])
 

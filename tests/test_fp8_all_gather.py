@@ -87,7 +87,7 @@ def _optimizers(kind: str, model: nn.Module, lr: float) -> list[torch.optim.Opti
 
 
 def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bool = False, mesh_shape=None,
-           fp8: bool = True, lr: float = LR, optimizer: str = "adamw", **cfg):
+           fp8: bool = True, lr: float = LR, optimizer: str = "adamw", via_fully_shard: bool = False, **cfg):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig(**{**CFG, **cfg})))
@@ -97,6 +97,9 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
         _fake_quantize(reference, sorted(chosen))
     opts, ref_opts = _optimizers(optimizer, model, lr), _optimizers(optimizer, reference, lr)  # before sharding
     options = {"compiler": compiler, "fp8_all_gather": fp8}
+    if via_fully_shard:  # the buckets planned by fully_shard carry the FP8 choice into the compiled graph
+        fsdp_pass.fully_shard(model, fp8_all_gather=fp8)
+        del options["fp8_all_gather"]
     dp = world
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -223,6 +226,16 @@ def _block_optimizers(rank: int, world: int) -> list[dict]:
     return [_train(rank, world, "aot_eager", steps=3, optimizer=kind) for kind in ("adamw8bit", "muon")]
 
 
+def _fully_shard_keyword(rank: int, world: int) -> dict:
+    return _train(rank, world, "aot_eager", steps=3, via_fully_shard=True)
+
+
+def test_fully_shard_keyword():
+    for rank, r in enumerate(run_distributed(_fully_shard_keyword, 2)):
+        _check(r, f"fully_shard/rank{rank}")
+        assert r["fp8_buckets"] > 0 and "torch.uint8" in r["gathered"], r["gathered"]  # codes and scales gathered as bytes
+
+
 def test_composes_with_adamw8bit_and_muon():
     """The fp32 master shards are unchanged, so the block optimizers step them as without FP8."""
     for rank, results in enumerate(run_distributed(_block_optimizers, 2)):
@@ -270,12 +283,12 @@ def test_selection():
 
 
 def test_no_eligible_weight_warns():
-    from fsdp_pass.passes.shard import _fp8_plan
+    from fsdp_pass.sharding.fp8_select import plan_fp8
 
     named = [("proj.weight", nn.Parameter(torch.ones(128, 128))), ("head.weight", nn.Parameter(torch.ones(4, 128)))]
     with pytest.warns(UserWarning, match="found no eligible weight"):
-        tiles, _, _ = _fp8_plan(named, Options.from_dict({"fp8_all_gather": True}))
-    assert tiles == {}
+        plan = plan_fp8(named, Options.from_dict({"fp8_all_gather": True}).fp8_all_gather, "options['fp8_all_gather']")
+    assert plan.tiles == {}
 
 
 def _four_ranks(rank: int, world: int) -> dict:

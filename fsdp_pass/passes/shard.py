@@ -10,15 +10,14 @@ their layout.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..blocks import block_size
 from ..options import Options
-from ..runtime.dbuffer import DBuffer, bucket_of, is_sharded, is_unsharded
+from ..runtime.dbuffer import DBuffer, bucket_of, is_unsharded
 from ..sharding.buckets import ShardingConfig
-from ..sharding.fp8_select import lcm_blocks, select_fp8_weights
+from ..sharding.fp8_select import lcm_blocks, plan_fp8
 from ..sharding.materialize import shard_parameters
 from ..sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, graph_block_rows
@@ -46,31 +45,7 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
     blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
-    fp8_tiles, fp8_blocks, skipped = _fp8_plan(named, opts)
-    blocks = lcm_blocks(blocks, fp8_blocks)  # [Note: FP8 all-gather]: whole panels of tile rows
-    new = shard_parameters(named, mesh, config, blocks, fp8_tiles)
-    for name, p in named:
-        if name in skipped and is_sharded(p):
-            bucket_of(p)[0].fp8_skipped[name] = skipped[name]
+    fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
+    new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
+    fp8.record_left_out(named)
     return Sharded({s.name: bucket_of(s.param) for s in sites}, new)
-
-
-def _fp8_plan(named, opts: Options) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
-    """FP8 weights among the parameters not sharded yet (name → tile, name → block in elements),
-    and the candidates left out (name → why).
-
-    See [Note: FP8 all-gather] in runtime/gather.py.
-    """
-    if opts.fp8_all_gather is None:
-        return {}, {}, {}
-    todo = [(n, p) for n, p in named if not is_sharded(p)]
-    chosen, skipped = select_fp8_weights(todo, opts.fp8_all_gather)
-    if todo and not chosen:
-        reasons = "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:3])
-        warnings.warn(
-            "options['fp8_all_gather'] found no eligible weight (2-D or stacked 3-D weights inside repeated units "
-            "such as 'layers.3', rows a multiple of the tile, or names given in 'include')"
-            + (f" ({reasons})" if reasons else "") + "; training proceeds with every parameter gathered in param_dtype",
-            stacklevel=3,
-        )
-    return {n: opts.fp8_all_gather.tile for n in chosen}, chosen, skipped

@@ -12,14 +12,17 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from typing import Iterable
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..options import Fp8Options
+from ..runtime.dbuffer import bucket_of, is_sharded
 
-__all__ = ["select_fp8_weights"]
+__all__ = ["Fp8Plan", "lcm_blocks", "plan_fp8", "select_fp8_weights"]
 
 
 def _in_repeated_unit(name: str) -> bool:
@@ -66,3 +69,38 @@ def select_fp8_weights(
 def lcm_blocks(blocks: dict[str, int], fp8_blocks: dict[str, int]) -> dict[str, int]:
     """``blocks`` with every FP8 weight's block made a multiple of its tile panel."""
     return {n: math.lcm(b, fp8_blocks[n]) if n in fp8_blocks else b for n, b in blocks.items()}
+
+
+@dataclass
+class Fp8Plan:
+    """The FP8 weights among parameters about to be sharded, and the candidates left out."""
+
+    tiles: dict[str, int] = field(default_factory=dict)  # name → tile (its bucket gathers FP8)
+    blocks: dict[str, int] = field(default_factory=dict)  # name → block in elements (whole tile panels)
+    left_out: dict[str, str] = field(default_factory=dict)  # name → why it stays in param_dtype
+
+    def record_left_out(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Tell each left-out weight's bucket why, for ``explain()``."""
+        for name, p in named:
+            if name in self.left_out and is_sharded(p):
+                bucket_of(p)[0].fp8_skipped[name] = self.left_out[name]
+
+
+def plan_fp8(named: Sequence[tuple[str, torch.Tensor]], opts: Fp8Options | None, argument: str) -> Fp8Plan:
+    """FP8 weights among the parameters not sharded yet (``argument`` names the option in messages).
+
+    A model with no eligible weight warns and trains with every parameter in ``param_dtype``.
+    """
+    if opts is None:
+        return Fp8Plan()
+    todo = [(n, p) for n, p in named if not is_sharded(p)]
+    chosen, skipped = select_fp8_weights(todo, opts)
+    if todo and not chosen:
+        reasons = "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:3])
+        warnings.warn(
+            f"{argument} found no eligible weight (2-D or stacked 3-D weights inside repeated units "
+            "such as 'layers.3', rows a multiple of the tile, or names given in 'include')"
+            + (f" ({reasons})" if reasons else "") + "; training proceeds with every parameter gathered in param_dtype",
+            stacklevel=3,
+        )
+    return Fp8Plan({n: opts.tile for n in chosen}, chosen, skipped)
