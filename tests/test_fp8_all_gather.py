@@ -7,6 +7,7 @@ to the same weights in forward; traffic is counted from the collectives in the c
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -49,7 +50,7 @@ def _fake_quantize(model: nn.Module, names: list[str], tile: int = 128) -> None:
 
 
 def _plain_name(name: str) -> str:
-    return name.replace(".parametrizations.weight.original", ".weight")
+    return re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", name)
 
 
 def _batch(step: int, batch: int):
@@ -224,6 +225,17 @@ def test_no_sync_accumulating_variant():
 
 def _block_optimizers(rank: int, world: int) -> list[dict]:
     return [_train(rank, world, "aot_eager", steps=3, optimizer=kind) for kind in ("adamw8bit", "muon")]
+
+
+def _stacked_experts(rank: int, world: int) -> dict:
+    return _train(rank, world, "aot_eager", steps=3, experts=2, stacked_experts=True, batched_experts=True)
+
+
+def test_stacked_expert_weights():
+    """3-D expert weights (experts, out, in): tiles are whole per expert matrix."""
+    for rank, r in enumerate(run_distributed(_stacked_experts, 2)):
+        _check(r, f"experts/rank{rank}")
+        assert "layers.0.ffn.w1" in r["fp8_names"], r["fp8_names"]  # the stacked (experts, ffn, dim) weight
 
 
 def _fully_shard_keyword(rank: int, world: int) -> dict:
