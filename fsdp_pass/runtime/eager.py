@@ -89,12 +89,9 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
             f'torch.compile(model, backend="vescale") instead'
         )
     whole = grad.detach().reshape(-1).clone()
-    m = buf.mesh
-    if m.shard_size > 1:
-        collectives.all_reduce_(whole, m.mesh.get_group(m.shard_dim))
-    if m.replicate_dim is not None and m.replicate_size > 1:
-        collectives.all_reduce_(whole, m.mesh.get_group(m.replicate_dim))
+    for group in buf.mesh.data_parallel_groups():
+        collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
-    piece = (whole[a:b] / m.divisor).to(buf.dtype)
+    piece = (whole[a:b] / buf.mesh.divisor).to(buf.dtype)
     buf.attach_grads(buf.gradient_buffer(create=True))
     return buf.ragged(name, piece)

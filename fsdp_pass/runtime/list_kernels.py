@@ -14,6 +14,8 @@ user's configuration, and its state dict, stay as they were.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -33,11 +35,27 @@ def install_list_kernels_for_sharded_parameters() -> None:
         _handles = (register_optimizer_step_pre_hook(_opt_in), register_optimizer_step_post_hook(_opt_out))
 
 
+# optimizer → {id(a group's params list): its length when every parameter in it was found sharded}. A
+# sharded parameter stays sharded, so the full scan runs once per group, not at every step; a "no" is
+# not kept (parameters may be sharded later) and its scan stops at the first plain parameter.
+_all_sharded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _only_sharded(optimizer: torch.optim.Optimizer, params: list) -> bool:
+    known = _all_sharded.setdefault(optimizer, {})
+    if known.get(id(params)) == len(params):
+        return True
+    if all(isinstance(p, RaggedShardTensor) and is_sharded(p) for p in params):
+        known[id(params)] = len(params)
+        return True
+    return False
+
+
 def _opt_in(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         if ("foreach" in group and group["foreach"] is None and not group.get("fused")
                 and not group.get("differentiable") and group["params"]
-                and all(isinstance(p, RaggedShardTensor) and is_sharded(p) for p in group["params"])):
+                and _only_sharded(optimizer, group["params"])):
             group["foreach"] = True
             group[_OPTED] = True
 

@@ -68,6 +68,15 @@ class ShardingMesh:
         dim = self.replicate_dim
         return 1 if dim is None else self.mesh.size(dim)
 
+    def data_parallel_groups(self) -> list:
+        """The process groups a bucket's gradients are summed over: its shard dim, then its HSDP replicas."""
+        groups = []
+        if self.shard_size > 1:
+            groups.append(self.mesh.get_group(self.shard_dim))
+        if self.replicate_dim is not None and self.replicate_size > 1:
+            groups.append(self.mesh.get_group(self.replicate_dim))
+        return groups
+
     def group_name(self, dim: int) -> str:
         return self.mesh.get_group(dim).group_name
 

@@ -49,19 +49,10 @@ def _check_plain_gradients(optimizer: torch.optim.Optimizer, args, kwargs) -> No
     with_grads = [p for p in plain if p.grad is not None]
     if not with_grads:
         return  # nothing computed yet: look again at the next step
-    groups = _data_parallel_groups(bucket_of(sharded)[0].mesh)
+    groups = bucket_of(sharded)[0].mesh.data_parallel_groups()
     if groups:
         _compare_across_ranks(with_grads, groups)
     _checked.add(optimizer)
-
-
-def _data_parallel_groups(mesh) -> list[dist.ProcessGroup]:
-    groups = []
-    if mesh.shard_size > 1:
-        groups.append(mesh.mesh.get_group(mesh.shard_dim))
-    if mesh.replicate_dim is not None and mesh.replicate_size > 1:
-        groups.append(mesh.mesh.get_group(mesh.replicate_dim))
-    return groups
 
 
 @torch.no_grad()

@@ -24,8 +24,8 @@ checked only while some remain anywhere (one ``dict`` truth test per call otherw
 * eager calls gather the bucket anyway (:func:`~fsdp_pass.runtime.eager.whole_parameter`), so
   :func:`check_gathered` looks at the whole values, the same on every rank: no collective;
 * a compiled graph checks its buckets before it runs (:func:`check_buckets`): each rank flags the
-  pending parameters whose non-empty piece is still all NaN, and one MAX all-reduce over the
-  default group makes every rank reach the same verdict (a rank holding an empty piece cannot
+  pending parameters whose non-empty piece is still all NaN, and a MAX all-reduce over the
+  bucket's own ranks (its data-parallel groups) makes every rank reach the same verdict (a rank holding an empty piece cannot
   tell by itself).
 
 A check clears the names found written, on every rank alike (the verdicts are shared), so the
@@ -39,7 +39,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
+
+from . import collectives
 
 __all__ = ["any_pending", "check_buckets", "check_gathered", "mark_initialized", "mark_pending", "pending_names"]
 
@@ -86,19 +87,18 @@ def check_gathered(buf, views: dict[str, torch.Tensor]) -> None:
 
 
 def check_buckets(buffers) -> None:
-    """Compiled path: collective over the default group while any bucket has pending parameters."""
-    entries = [(b, n) for b in buffers for n in sorted(_pending.get(b, ()))]
-    if not entries:
-        return
-    flags = torch.tensor([_still_placeholder(b.local_piece(n)) for b, n in entries], dtype=torch.int32,
-                         device=entries[0][0].shard.device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad = {(id(b), n) for (b, n), f in zip(entries, flags.tolist()) if f}
+    """Compiled path: one MAX all-reduce per bucket with pending parameters, over that bucket's ranks."""
     error = None
-    for b in {id(b): b for b, _ in entries}.values():
+    for buf in buffers:
+        names = sorted(_pending.get(buf, ()))
+        if not names:
+            continue
+        flags = torch.tensor([_still_placeholder(buf.local_piece(n)) for n in names], dtype=torch.int32,
+                             device=buf.shard.device)
+        for group in buf.mesh.data_parallel_groups():
+            collectives.all_reduce_(flags, group, "max")
         try:
-            _settle(b, _pending[b], {n for i, n in bad if i == id(b)})
+            _settle(buf, _pending[buf], {n for n, f in zip(names, flags.tolist()) if f})
         except RuntimeError as e:
             error = error or e
     if error is not None:
