@@ -129,7 +129,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
     accumulating = _AccumulatingVariant(rewritten, opts, record, fake_mode, shard_fakes, rest)
-    compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record)
+    compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record, rewritten.buffers)
     _remember(record)
 
     binding = ShardBinding(rewritten.dropped, [s.param for s in result.sites], rewritten.buffers, rewritten.configs)
@@ -163,6 +163,7 @@ class _AccumulatingVariant:
         buffers = rewritten.buffers
         self.configs = configs  # position in the graph's buckets → its gather arguments, in pending-input order
         self._opts, self._record, self._fake_mode = opts, record, fake_mode
+        self._buffers = buffers
         pending = [fake_mode.from_tensor(pending_leaf(buffers[i], c), static_shapes=True) for i, c in configs.items()]
         self._inputs = shard_fakes + pending + [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
                                                 isinstance(x, torch._subclasses.FakeTensor) else x for x in rest]
@@ -172,7 +173,7 @@ class _AccumulatingVariant:
         if self._compiled is None:
             with torch._guards.tracing(torch._guards.TracingContext(self._fake_mode)):
                 self._compiled = compile_scheduled(self.gm, self._inputs, self._opts,
-                                                   _Suffixed(self._record, " (accumulate)"))
+                                                   _Suffixed(self._record, " (accumulate)"), self._buffers)
             self._inputs = []
         return self._compiled
 

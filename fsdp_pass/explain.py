@@ -46,6 +46,9 @@ class Explanation:
         for b in self.buffers:  # [Note: FP8 all-gather]: candidates kept in param_dtype
             for name, why in b.fp8_skipped.items():
                 lines.append(f"fp8_all_gather left out: {name} ({why})")
+        for b in self.buffers:  # [Note: gradients written into the bucket]
+            for name, why in b.gradient_copies.items():
+                lines.append(f"gradient copied into bucket {b.index}: {name}: {why}")
         per_rank = self.bytes_per_rank()
         lines.append(f"per rank: parameters {per_rank['params']} B, gradients {per_rank['grads']} B")
         lines.append(

@@ -3,6 +3,7 @@
     Dynamo graph ─ detect ─ shard ─ rewrite ─┐            (run_passes: passes 1-3)
                                              └ aot_autograd ─ joint graph: tag reshard-after-forward
                                                           ─ forward / backward graphs: schedule overlap
+                                                          ─ backward graphs: gradients written into buckets
                                                           ─ Inductor or aot_eager  (compile_scheduled: pass 4)
 """
 
@@ -20,8 +21,10 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.tensor import DTensor
 
 from ..options import Options
+from ..runtime.dbuffer import DBuffer
 from ..sharding.agreement import check_ranks_agree
 from .detect import ParamSite, find_parameters
+from .grad_into_bucket import write_gradients_into_buckets
 from .rewrite import Rewritten, copy_dynamo_graph, rewrite_parameters
 from .schedule import schedule_overlap, tag_reshard_after_forward
 from .shard import Sharded, shard_sites
@@ -67,17 +70,19 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options)
     return PassResult(sites, sharded, rewritten, {"detect": t1 - t0, "shard": t2 - t1, "rewrite": t3 - t2})
 
 
-def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: GraphSink) -> Callable:
-    """Pass 4 and code generation: aot_autograd with the reshard tags on the joint graph, the overlap
-    schedule on the forward and backward graphs, then Inductor or aot_eager (``opts.compiler``)."""
+def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: GraphSink,
+                      buffers: Sequence[DBuffer] = ()) -> Callable:
+    """Passes 4-5 and code generation: aot_autograd with the reshard tags on the joint graph, the
+    overlap schedule on the forward and backward graphs, gradients written into the bucket gradients
+    of ``buffers`` (the graph's buckets) in backward graphs, then Inductor or aot_eager (``opts.compiler``)."""
     joint_pass = tag_reshard_after_forward if opts.reshard_after_forward else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     with patch:
         if opts.compiler == "aot_eager":
             backend = aot_autograd(
-                fw_compiler=_scheduled(opts, sink, "forward"),
-                bw_compiler=_scheduled(opts, sink, "backward"),
-                inference_compiler=_scheduled(opts, sink, "inference"),
+                fw_compiler=_scheduled(opts, sink, buffers, "forward"),
+                bw_compiler=_scheduled(opts, sink, buffers, "backward"),
+                inference_compiler=_scheduled(opts, sink, buffers, "inference"),
             )
             return backend(gm, inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -85,17 +90,21 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
         # from pulling waits up to their collectives.
         patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
-        return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, compiler=compile_fx_inner),
+        return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, buffers, compiler=compile_fx_inner),
                           config_patches=patches)
 
 
-def _scheduled(opts: Options, sink: GraphSink, stage: str | None = None, compiler: Callable | None = None) -> Callable:
-    """A graph compiler for aot_autograd: schedule the graph, tell ``sink``, then run ``compiler`` (default: as is)."""
+def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], stage: str | None = None,
+               compiler: Callable | None = None) -> Callable:
+    """A graph compiler for aot_autograd: schedule the graph (and write a backward graph's gradients
+    into its buckets), tell ``sink``, then run ``compiler`` (default: as is)."""
 
     def compile_stage(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
         name = stage or ("backward" if kwargs.get("is_backward") else
                          "inference" if kwargs.get("is_inference") else "forward")
         schedule_overlap(gm, opts.prefetch, opts.max_inflight_bytes)
+        if name == "backward" and buffers:  # after the schedule, which reads data edges only
+            write_gradients_into_buckets(gm, buffers, inductor=compiler is not None)
         sink.graph(name, gm)
         if compiler is None:
             return make_boxed_func(gm.forward)

@@ -127,6 +127,9 @@ class DBuffer:
         self.index = index
         self.fp8_tile = fp8_tile
         self.fp8_skipped: dict[str, str] = {}  # FP8 candidates here kept in param_dtype → why (for explain())
+        # parameter → why its gradient is copied into the bucket gradient, not produced there (for
+        # explain(); [Note: gradients written into the bucket] in passes/grad_into_bucket.py)
+        self.gradient_copies: dict[str, str] = {}
         # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)

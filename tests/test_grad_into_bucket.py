@@ -1,0 +1,100 @@
+"""Weight gradients written straight into the bucket gradient ([Note: gradients written into the
+bucket] in passes/grad_into_bucket.py): no ``cat`` before the reduce-scatter, bitwise the same values."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+import fsdp_pass
+from fsdp_pass.backend import records
+from fsdp_pass.passes import pipeline
+from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
+from fsdp_pass.runtime.matmul_into import matmul_into
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+
+_c10d = torch.ops._c10d_functional
+# Dense blocks (mm weight gradients) and stacked experts computed by bmm, whose gradient is a
+# transposed product (bmm → permute → clone before this pass).
+CONFIGS = {
+    "dense": LlamaConfig(layers=2),
+    "experts": LlamaConfig(layers=2, experts=4, top_k=2, stacked_experts=True, batched_experts=True),
+}
+
+
+def test_matmul_into_writes_the_product_in_place():
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    out = torch.full((40,), -1.0)
+    matmul_into(out, 4, a, b, [], [])
+    assert torch.equal(out[4:19].view(5, 3), torch.mm(a, b))
+    assert torch.equal(out[:4], torch.full((4,), -1.0)) and torch.equal(out[19:], torch.full((21,), -1.0))
+    a, b = torch.randn(2, 5, 7), torch.randn(2, 7, 3)
+    matmul_into(out, 10, a, b, [2, 3, 5], [0, 2, 1])  # stored transposed, as a stacked weight's gradient
+    assert torch.equal(out[10:40].view(2, 3, 5), torch.bmm(a, b).permute(0, 2, 1).contiguous())
+
+
+def _gradient_shards(config: LlamaConfig, compiler: str, rewrite: bool) -> tuple[list[torch.Tensor], dict]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(config))
+    fsdp_pass.fully_shard(model, min_bucket_bytes=0)
+    compiled = torch.compile(model, backend="vescale", options={"compiler": compiler})
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, config.vocab, (2, 8), generator=g)
+    if rewrite:
+        lm_loss(compiled(tokens), tokens).backward()
+    else:  # the reference: the same graphs with the pass left out
+        with mock.patch.object(pipeline, "write_gradients_into_buckets", lambda gm, *a, **k: gm):
+            lm_loss(compiled(tokens), tokens).backward()
+    buffers = {id(bucket_of(p)[0]): bucket_of(p)[0] for p in model.parameters() if is_sharded(p)}
+    backward = [r.modules[s] for r in records() for s in r.modules if s == "backward"][-1]
+    copies = {n: why for b in buffers.values() for n, why in b.gradient_copies.items()}
+    return [p.grad.clone() for p in model.parameters()], {"graph": backward, "copies": copies}
+
+
+def _bitwise_and_no_cat(rank: int, world: int, compiler: str) -> None:
+    for name, config in CONFIGS.items():
+        reference, _ = _gradient_shards(config, compiler, rewrite=False)
+        grads, found = _gradient_shards(config, compiler, rewrite=True)
+        for i, (a, b) in enumerate(zip(grads, reference)):
+            assert torch.equal(a, b), f"{name}: parameter {i} gradient differs by {(a - b).abs().max().item()}"
+        graph = found["graph"].graph
+        scatters = list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default))
+        assert scatters, f"{name}: no reduce_scatter in the backward graph"
+        cats = [s.args[0] for s in scatters if s.args[0].target is torch.ops.aten.cat.default]
+        assert not cats, f"{name}: {len(cats)} reduce_scatter inputs are still a cat"
+        writes = list(graph.find_nodes(op="call_function", target=matmul_into._opoverload))
+        # one per block weight: wq wk wv wo + (w1 w2 w3, or the router and 3 stacked experts) per layer
+        per_layer = 7 if name == "dense" else 8
+        assert len(writes) == per_layer * config.layers, (name, len(writes))
+        if name == "experts":
+            assert any(w.args[5] for w in writes), "no stacked-expert gradient was written transposed"
+        # What is still copied is named: the norm weights (reductions; every non-matmul under aot_eager).
+        assert found["copies"] and all("norm" in n for n in found["copies"]), found["copies"]
+        if compiler == "inductor":
+            assert all("reduction" in why for why in found["copies"].values()), found["copies"]
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_gradients_written_into_buckets_bitwise(compiler):
+    run_distributed(_bitwise_and_no_cat, 2, compiler)
+
+
+def _explain_names_copies(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig(layers=1)))
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "inductor"})
+    tokens = torch.randint(0, 61, (2, 8))
+    lm_loss(compiled(tokens), tokens).backward()
+    text = str(fsdp_pass.explain(compiled, print_output=False))
+    assert "gradient copied into bucket" in text and "layers.0.attn_norm.weight" in text, text
+
+
+def test_explain_names_gradients_still_copied():
+    run_distributed(_explain_names_copies, 2)
