@@ -8,12 +8,15 @@ import pytest
 import torch
 import torch.fx as fx
 
+import fsdp_pass.runtime.matmul_into  # noqa: F401  (registers torch.ops.fsdp_pass.matmul_into)
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.backend import records
 from fsdp_pass.testing.models import MLP
 
 _c10d = torch.ops._c10d_functional
-_COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# Matmuls; in backward graphs weight gradients are matmuls written into the bucket gradient
+# ([Note: gradients written into the bucket]).
+_COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.fsdp_pass.matmul_into.default}
 
 
 def _position(gm: fx.GraphModule) -> dict[fx.Node, int]:
