@@ -98,3 +98,39 @@ def _explain_names_copies(rank: int, world: int) -> None:
 
 def test_explain_names_gradients_still_copied():
     run_distributed(_explain_names_copies, 2)
+
+
+class _ConvThenLinear(torch.nn.Module):
+    """A bucket with a gradient this pass cannot produce in place (the convolution's weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, 3)
+        self.proj = torch.nn.Linear(8 * 6, 5)
+
+    def forward(self, x):
+        return self.proj(self.conv(x).flatten(1))
+
+
+def _fallback_still_matches(rank: int, world: int) -> None:
+    grads = {}
+    for rewrite in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _ConvThenLinear()
+        compiled = torch.compile(model, backend="vescale", options={"compiler": "inductor"})
+        x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(rank))
+        if rewrite:
+            compiled(x).square().sum().backward()
+            text = str(fsdp_pass.explain(compiled, print_output=False))
+        else:
+            with mock.patch.object(pipeline, "write_gradients_into_buckets", lambda gm, *a, **k: gm):
+                compiled(x).square().sum().backward()
+        grads[rewrite] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    assert "conv.weight" in text and "extern kernel" in text, text
+
+
+def test_gradient_that_cannot_be_written_in_place_is_copied_and_named():
+    run_distributed(_fallback_still_matches, 2)

@@ -25,6 +25,7 @@ passes/schedule.py; Inductor orders readers of a mutated buffer after the mutati
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -112,7 +113,9 @@ def _in_place_producer(segment: fx.Node) -> _InPlace | None:
 
 
 def _producer(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _FLATTENING | _REORDERING:
+    """The op that computes ``node``'s values: views and reorders skipped, a multi-output op's item
+    (``convolution_backward``'s weight gradient) traced to the op."""
+    while node.op == "call_function" and (node.target in _FLATTENING | _REORDERING or node.target is operator.getitem):
         node = node.args[0]
     return node
 
