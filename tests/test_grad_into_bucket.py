@@ -8,10 +8,12 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_pass
 from fsdp_pass.backend import records
 from fsdp_pass.passes import pipeline
+from fsdp_pass.passes.grad_into_bucket import _in_place_producer
 from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
 from fsdp_pass.runtime.matmul_into import matmul_into
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -36,6 +38,45 @@ def test_matmul_into_writes_the_product_in_place():
     a, b = torch.randn(2, 5, 7), torch.randn(2, 7, 3)
     matmul_into(out, 10, a, b, [2, 3, 5], [0, 2, 1])  # stored transposed, as a stacked weight's gradient
     assert torch.equal(out[10:40].view(2, 3, 5), torch.bmm(a, b).permute(0, 2, 1).contiguous())
+
+
+# Chains from a product to a flat gradient segment, as autograd and Inductor's decompositions write
+# them; each ends with the reshape to 1-D that the bucket's split backward produces.
+CHAINS = {
+    "as is": lambda p: p.reshape(-1),
+    "t(t())": lambda p: p.t().t().reshape(-1),
+    "transposed": lambda p: p.t().contiguous().reshape(-1),
+    "transposed then reshaped": lambda p: p.t().contiguous().view(2, 2, 6).reshape(-1),
+}
+
+
+def _traced_producer(chain, a: torch.Tensor, b: torch.Tensor):
+    """What the pass finds behind the segment ``chain(mm(a, b))`` of a traced ``cat``."""
+    gm = make_fx(lambda a, b: torch.cat([chain(torch.mm(a, b))]))(a, b)
+    (cat,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
+    return _in_place_producer(cat.args[0][0])
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_chains_from_a_product_are_written_in_place(chain):
+    a, b = torch.randn(6, 5), torch.randn(5, 4)
+    found = _traced_producer(CHAINS[chain], a, b)
+    assert found is not None and found.matmul.target is torch.ops.aten.mm.default
+    out = torch.zeros(24)
+    matmul_into(out, 0, a, b, found.stored, found.dims)
+    assert torch.equal(out, CHAINS[chain](torch.mm(a, b)))
+
+
+# Chains ``mm(..., out=)`` cannot write: the strided target would not be one matrix.
+NOT_IN_PLACE = {
+    "reshaped then transposed": lambda p: p.view(2, 3, 4).transpose(1, 2).contiguous().view(-1),
+    "transposed, reshaped, transposed": lambda p: p.t().contiguous().view(8, 3).t().reshape(-1),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(NOT_IN_PLACE))
+def test_chains_out_of_reach_are_left_to_the_copy(chain):
+    assert _traced_producer(NOT_IN_PLACE[chain], torch.randn(6, 5), torch.randn(5, 4)) is None
 
 
 def _gradient_shards(config: LlamaConfig, compiler: str, rewrite: bool) -> tuple[list[torch.Tensor], dict]:

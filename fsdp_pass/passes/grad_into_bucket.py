@@ -39,7 +39,7 @@ __all__ = ["write_gradients_into_buckets"]
 
 _aten = torch.ops.aten
 _FLATTENING = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
-# Ops that only reorder a tensor's elements (a clone makes the order its memory order).
+# Ops that reorder a tensor's elements (a clone only copies them).
 _REORDERING = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.clone.default}
 _MATMULS = {_aten.mm.default: 2, _aten.bmm.default: 3}
 _REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.amax.default, _aten.amin.default}
@@ -70,22 +70,21 @@ def _sole_user(node: fx.Node) -> bool:
 
 
 def _in_place_producer(segment: fx.Node) -> _InPlace | None:
-    """``segment`` = the product of an ``mm|bmm`` through views of contiguous tensors, permutes (``t``,
-    ``transpose``, ``permute``) and contiguous clones, each node used once; None for any other producer."""
+    """``segment`` = the product of an ``mm|bmm`` through reshapes, permutes (``t``, ``transpose``,
+    ``permute``) and clones, each node used once; None for any other producer."""
     chain, cur = [], segment
     while (cur.op == "call_function" and _sole_user(cur) and isinstance(cur.args[0], fx.Node)
            and (cur.target in _REORDERING or cur.target in _FLATTENING)):
-        if cur.target is _aten.clone.default and cur.kwargs.get("memory_format", torch.contiguous_format) \
-                != torch.contiguous_format:
-            return None
         chain.append(cur)
         cur = cur.args[0]
     product = _val(cur)
     if not (chain and cur.op == "call_function" and cur.target in _MATMULS and _sole_user(cur)
-            and product is not None and product.is_contiguous() and product.dim() == _MATMULS[cur.target]):
+            and product is not None and product.dim() == _MATMULS[cur.target]):
         return None
-    # Replay the chain from the product: the segment is ``product.view(base).permute(dims)`` flattened.
-    # A reshape of a permuted tensor keeps its element order (``frozen``); a permute after it would not.
+    # Replay the chain from the product on values (memory layouts do not matter: a reshape reads
+    # row-major, a clone changes nothing): the segment is ``product.view(base).permute(dims)``
+    # flattened. A reshape of a permuted tensor keeps its element order (``frozen``); a permute
+    # after it could not be written this way.
     base, dims, frozen = list(product.shape), list(range(product.dim())), False
     for node in reversed(chain):
         if node.target in _FLATTENING:
