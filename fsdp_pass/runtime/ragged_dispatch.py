@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import collectives
+from . import collectives, flat_buffers
 from .dbuffer import bucket_of
 from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import RaggedShardTensor, RaggedSpec
@@ -278,7 +278,10 @@ def _run_elementwise(call: _OpCall) -> Any:
 
 
 def _run_per_list_entry(call: _OpCall) -> Any:
-    """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout."""
+    """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout.
+
+    Elementwise ones run once per run of neighbouring pieces of a bucket, not once per entry
+    ([Note: one kernel per bucket] in runtime/flat_buffers.py)."""
     func, bound = call.func, call.bound
     if _has_dtensor_entries(bound):
         return _split_off_dtensor_entries(func, bound)
@@ -294,7 +297,13 @@ def _run_per_list_entry(call: _OpCall) -> Any:
     specs = [
         _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars) for i in range(entries)
     ]
-    out = call.run_on_pieces()
+    runs = flat_buffers.plan_runs(func, bound) if flat_buffers.is_coalescible(func) else None
+    if runs is None:
+        out = call.run_on_pieces()
+    else:  # [Note: one kernel per bucket]
+        out = runs.run()
+        if func._schema.is_mutable:
+            call.count_writes()
     return _with_outputs_wrapped(call, out, lambda pieces: [_wrap_piece(func, p, s) for p, s in zip(pieces, specs)])
 
 
