@@ -227,6 +227,8 @@ class Runs:
             elif kind == _ENTRY_VALUES and isinstance(value, torch.Tensor) and value.dim() == 1:
                 value = value[[run[0][1] for run in self.runs]]
             arguments[name] = value
+        if not self.runs:
+            return None  # every entry was an empty piece of an in-place op
         out = self.func(**arguments)
         if not self.func._schema.returns:
             return None
@@ -284,14 +286,19 @@ def plan_runs(func, bound: dict[str, Any]) -> Runs | None:
     if not ragged:
         return None
     lists = [bound[name] for name in ragged]
+    in_place = not func._schema.returns
     groups: dict[tuple, _Run] = {}  # same buffer in each list argument, same per-entry values → candidates
     buffers: dict[int, tuple[_Buffer, ...]] = {}
     singles: list[_Run] = []
+    dropped = False
     for k in range(entries):
         found = [slot_of(t._local) if isinstance(t, RaggedShardTensor) else None for t in (v[k] for v in lists)]
         first = found[0]
         if first is None or any(f is None or f[1] != first[1] or f[0].slots is not first[0].slots for f in found):
-            singles.append([(0, k)])
+            if in_place and all(isinstance(v[k], RaggedShardTensor) and not v[k]._local.numel() for v in lists):
+                dropped = True  # an empty piece (the parameter lies on other ranks): nothing to write
+            else:
+                singles.append([(0, k)])
             continue
         buffers[k] = tuple(b for b, _ in found)
         groups.setdefault(buffers[k] + tuple(v[k] for v in per_entry), []).append((first[1], k))
@@ -304,7 +311,7 @@ def plan_runs(func, bound: dict[str, Any]) -> Runs | None:
                 runs[-1].append(member)
             else:
                 runs.append([member])
-    if all(len(run) == 1 for run in runs):
+    if not dropped and all(len(run) == 1 for run in runs):
         return None
     return Runs(func, bound, entries, ragged, runs + singles, buffers)
 
