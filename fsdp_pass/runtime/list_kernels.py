@@ -1,15 +1,26 @@
-"""Optimizers step sharded parameters with list (``_foreach_``) kernels when the user left the choice open.
+"""Optimizers step sharded parameters with list (``_foreach_``) kernels when the user left the choice
+open, on optimizer states kept in flat per-bucket buffers.
 
 [Note: list kernels for sharded parameters]
 ``torch.optim`` optimizers pick their implementation when ``foreach=None`` (the default): on CPU the
 single-tensor loop, which issues about ten ops per parameter. On RaggedShard parameters every op
 is a Python ``__torch_dispatch__`` call, so that loop costs several times a plain tensor's step.
-The ``_foreach_`` implementation issues the same ops once per parameter list; dispatch unwraps the
-lists to their local pieces and runs one list kernel on them. The math is the same op for op, so
-the results are bitwise equal to the single-tensor loop (``tests/test_optim.py`` checks it). For a
-step whose parameter groups hold only sharded parameters and left ``foreach`` at None (not fused,
-not differentiable), a step pre-hook sets ``foreach=True`` and a post-hook puts None back: the
-user's configuration, and its state dict, stay as they were.
+The ``_foreach_`` implementation issues the same ops once per parameter list. For a step whose
+parameter groups hold only sharded parameters and left ``foreach`` at None (not fused, not
+differentiable), a step pre-hook sets ``foreach=True`` and a post-hook puts None back: the user's
+configuration, and its state dict, stay as they were.
+
+Dispatch then runs each elementwise list op once per *bucket*, not once per parameter: the
+parameters are pieces of their bucket's shard, the gradients pieces of its gradient shard, and a
+step post-hook (and ``load_state_dict``) moves every state tensor in a parameter's layout
+(``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``: what ``zeros_like(p)`` or a
+gradient's clone made) into one zero-padded buffer per bucket and state name, in the shard's
+layout (:func:`flatten_states`). Neighbouring pieces of a bucket in every list argument become one
+flat view; see [Note: one kernel per bucket] in runtime/flat_buffers.py. This holds for lists the
+user asked for (``foreach=True``, ``zero_grad(set_to_none=False)`` of such an optimizer, the
+gradient scaling of ``clip_grad_norm_``) and for the fused CPU kernels too. The math is the same op
+for op and element for element, so the results are bitwise equal to the single-tensor loop
+(``tests/test_optim.py`` checks it, and counts the kernels). Scalar states (``step``) stay as they are.
 """
 
 from __future__ import annotations
