@@ -37,10 +37,14 @@ itself divide 0 by 0 for any element that never had a gradient) or a user's ``_f
 padding may hold inf or NaN: harmless, since nothing reads it. Only floating-point lists are
 coalesced, so no op can raise on a padding value (integer division by zero does).
 
-Lifetime. Registration holds a weak reference to the buffer (to the tensor its pieces are views
-of); when it is freed its slots are dropped at once, so an address reused by a later allocation
-is never mistaken for a slot. A lookup also checks that the buffer still lives at the registered
-address (its storage was not swapped).
+Lifetime. A record holds an alias of the buffer's memory, so while it exists no other tensor can
+start at one of its addresses, and a weak reference to the tensor whose lifetime bounds it (the
+buffer, or what it is a view of; for results made below dispatch, which record no view base, the
+per-entry views): when that is freed the record goes, and the memory with it.
+
+Cost. On CPU a list kernel loops over its entries in C++ at about a microsecond each, so the loop
+saved is small: a step stays bound by memory traffic (each list op streams the whole bucket) and by
+dispatch's Python work per list entry, which planning runs replaces rather than removes.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class _Buffer:
     def __init__(self, tensor: torch.Tensor, slots: BucketSlots, origin: int, inside: list[int], is_state: bool,
                  lives: list[torch.Tensor]) -> None:
         self.base: torch.Tensor | None = tensor.detach()  # an alias: it holds the memory, not ``tensor``
-        self.device, self.dtype = tensor.device, tensor.dtype
+        self.device, self.dtype = tensor.get_device(), tensor.dtype  # device index: -1 for the CPU
         self.slots = slots
         self.origin = origin
         size = tensor.element_size()
@@ -118,7 +122,8 @@ class _Buffer:
         return view
 
 
-_slots: dict[int, tuple[_Buffer, int]] = {}  # address of a registered piece's first element → (its buffer, slot)
+# Address of a registered piece's first element → (its buffer, slot, element count).
+_slots: dict[int, tuple[_Buffer, int, int]] = {}
 
 
 def register(tensor: torch.Tensor, slots: BucketSlots, origin: int = 0, is_state: bool = False,
@@ -142,7 +147,7 @@ def register(tensor: torch.Tensor, slots: BucketSlots, origin: int = 0, is_state
         return
     buffer = _Buffer(tensor, slots, origin, inside, is_state, lives)
     for address, i in buffer.addresses.items():
-        _slots[address] = (buffer, i)
+        _slots[address] = (buffer, i, slots.sizes[i])
 
 
 def slot_of(piece: torch.Tensor) -> tuple[_Buffer, int] | None:
@@ -153,13 +158,27 @@ def slot_of(piece: torch.Tensor) -> tuple[_Buffer, int] | None:
     if type(piece) is not torch.Tensor:  # fake and functional tensors have no address
         return None
     entry = _slots.get(piece.data_ptr())
-    if entry is None:
+    if (entry is None or piece.numel() != entry[2] or piece.dtype is not entry[0].dtype or not piece.is_contiguous()
+            or piece.get_device() != entry[0].device):
         return None
-    buffer, i = entry
-    if (piece.numel() != buffer.slots.sizes[i] or piece.dtype != buffer.dtype or not piece.is_contiguous()
-            or piece.device != buffer.device):
-        return None
-    return entry
+    return entry[0], entry[1]
+
+
+def _slots_of(values: list | tuple) -> tuple[list[_Buffer | None], list[int]]:
+    """:func:`slot_of` of every RaggedShard entry's piece, as buffers (None: no slot) and slots: the loop
+    an optimizer step runs for each list argument of each op, so it is kept short."""
+    get, buffers, slots = _slots.get, [], []
+    for t in values:
+        piece = t._local if isinstance(t, RaggedShardTensor) else None
+        entry = get(piece.data_ptr()) if type(piece) is torch.Tensor else None
+        if (entry is not None and piece.numel() == entry[2] and piece.dtype is entry[0].dtype and piece.is_contiguous()
+                and piece.get_device() == entry[0].device):
+            buffers.append(entry[0])
+            slots.append(entry[1])
+        else:
+            buffers.append(None)
+            slots.append(-1)
+    return buffers, slots
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,17 +227,25 @@ _Run = list  # of (slot, entry) pairs, by slot; a one-pair run is an entry that 
 class Runs:
     """An elementwise list op planned on runs (:func:`plan_runs`); :meth:`run` calls it once."""
 
-    __slots__ = ("func", "bound", "entries", "ragged", "runs", "buffers")
+    __slots__ = ("func", "bound", "entries", "ragged", "runs", "buffers", "joined")
 
     def __init__(self, func, bound: dict[str, Any], entries: int, ragged: list[str], runs: list[_Run],
                  buffers: dict[int, tuple[_Buffer, ...]]) -> None:
         self.func, self.bound, self.entries = func, bound, entries
         self.ragged = ragged  # names of the list arguments of RaggedShard tensors
         self.runs = runs
-        self.buffers = buffers  # an entry's buffer in each argument of ``ragged``
+        self.buffers = buffers  # a run's first entry → its buffer in each argument of ``ragged``
+        # Entries that run inside a longer run: every list argument holds the same slot of one bucket there.
+        self.joined = {entry for run in runs if len(run) > 1 for _, entry in run}
+
+    def tensor(self, entry: int) -> RaggedShardTensor:
+        """A joined entry's first RaggedShard argument: its layout is every argument's there."""
+        return self.bound[self.ragged[0]][entry]
 
     def run(self) -> list[torch.Tensor] | None:
         """Call the op with one entry per run; return its per-entry results (plain tensors), None if in place."""
+        if not self.runs:
+            return None  # every entry was an empty piece of an in-place op
         arguments = {}
         for name, kind in _kinds(self.func):
             value = self.bound.get(name)
@@ -227,8 +254,6 @@ class Runs:
             elif kind == _ENTRY_VALUES and isinstance(value, torch.Tensor) and value.dim() == 1:
                 value = value[[run[0][1] for run in self.runs]]
             arguments[name] = value
-        if not self.runs:
-            return None  # every entry was an empty piece of an in-place op
         out = self.func(**arguments)
         if not self.func._schema.returns:
             return None
@@ -285,35 +310,43 @@ def plan_runs(func, bound: dict[str, Any]) -> Runs | None:
             return None
     if not ragged:
         return None
-    lists = [bound[name] for name in ragged]
+    (buffers, slots), *others = [_slots_of(bound[name]) for name in ragged]
+    for other_buffers, other_slots in others:  # every list argument must hold the same slot of one bucket
+        for k, (b, i) in enumerate(zip(other_buffers, other_slots)):
+            if buffers[k] is not None and (b is None or i != slots[k] or b.slots is not buffers[k].slots):
+                buffers[k] = None
     in_place = not func._schema.returns
     groups: dict[tuple, _Run] = {}  # same buffer in each list argument, same per-entry values → candidates
-    buffers: dict[int, tuple[_Buffer, ...]] = {}
     singles: list[_Run] = []
     dropped = False
-    for k in range(entries):
-        found = [slot_of(t._local) if isinstance(t, RaggedShardTensor) else None for t in (v[k] for v in lists)]
-        first = found[0]
-        if first is None or any(f is None or f[1] != first[1] or f[0].slots is not first[0].slots for f in found):
-            if in_place and all(isinstance(v[k], RaggedShardTensor) and not v[k]._local.numel() for v in lists):
+    for k, key in enumerate(zip(buffers, *(b for b, _ in others), *per_entry)):
+        if key[0] is None:
+            if in_place and all(_is_empty_piece(bound[name][k]) for name in ragged):
                 dropped = True  # an empty piece (the parameter lies on other ranks): nothing to write
             else:
                 singles.append([(0, k)])
-            continue
-        buffers[k] = tuple(b for b, _ in found)
-        groups.setdefault(buffers[k] + tuple(v[k] for v in per_entry), []).append((first[1], k))
+        else:
+            groups.setdefault(key, []).append((slots[k], k))
     runs: list[_Run] = []
-    for members in groups.values():
+    run_buffers: dict[int, tuple[_Buffer, ...]] = {}  # a run's first entry → its buffer in each list argument
+    for key, members in groups.items():
         members.sort()
+        in_lists = key[:len(ragged)]
         runs.append([members[0]])
+        run_buffers[members[0][1]] = in_lists
         for member in members[1:]:
             if member[0] == runs[-1][-1][0] + 1:
                 runs[-1].append(member)
             else:
                 runs.append([member])
+                run_buffers[member[1]] = in_lists
     if not dropped and all(len(run) == 1 for run in runs):
         return None
-    return Runs(func, bound, entries, ragged, runs + singles, buffers)
+    return Runs(func, bound, entries, ragged, runs + singles, run_buffers)
+
+
+def _is_empty_piece(t: Any) -> bool:
+    return isinstance(t, RaggedShardTensor) and not t._local.numel()
 
 
 def _entry_value(t: Any) -> Any:

@@ -92,6 +92,11 @@ def _flatten_states_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -
     flatten_states(optimizer)
 
 
+# optimizer → its state tensors at the last full look (id → weak reference): a step that made no new
+# state skips the look. What was in place then still is (a state's piece never changes).
+_looked_at: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, weakref.ref]]" = weakref.WeakKeyDictionary()
+
+
 def flatten_states(optimizer: torch.optim.Optimizer) -> None:
     """Move ``optimizer``'s per-parameter states of sharded parameters into flat per-bucket buffers.
 
@@ -99,8 +104,14 @@ def flatten_states(optimizer: torch.optim.Optimizer) -> None:
     made: a RaggedShard piece, inside a DTensor for TP/EP parameters) becomes a view of one
     zero-padded buffer per bucket and state name, in the bucket shard's layout, keeping its type;
     see [Note: one kernel per bucket]. Runs after every step (states appear in a parameter's first
-    step) and after ``load_state_dict``; states already in place cost one lookup each.
+    step) and after ``load_state_dict``; when no state tensor is new since the last time, it only
+    checks that.
     """
+    states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"] if p in optimizer.state]
+    tensors = [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
+    looked = _looked_at.get(optimizer)
+    if looked is not None and all((r := looked.get(id(v))) is not None and r() is v for v in tensors):
+        return
     moves: dict[tuple, list] = {}  # (bucket, state name, dtype) → states to move
     homes: dict[tuple, set] = {}  # the same → the state buffers its states already view
     for group in optimizer.param_groups:
@@ -123,15 +134,17 @@ def flatten_states(optimizer: torch.optim.Optimizer) -> None:
                         homes.setdefault((buf, key, part.dtype), set()).add(found[0])
                 elif part._spec == ragged_part(p)._spec:
                     moves.setdefault((buf, key, part.dtype), []).append((state, key, value, slot))
-    for (buf, key, dtype), states in moves.items():
+    for (buf, key, dtype), moving in moves.items():
         slots = flat_buffers.bucket_slots(buf)
         home = homes.get((buf, key, dtype), ())
         flat = next(iter(home)).owner() if len(home) == 1 else None  # where the bucket's others are
         if flat is None:
             flat = torch.zeros(buf.shard.numel(), dtype=dtype, device=buf.shard.device)
             flat_buffers.register(flat, slots, is_state=True)
-        for state, key_, value, slot in states:
+        for state, key_, value, slot in moving:
             state[key_] = _moved(value, flat[slots.starts[slot]:slots.starts[slot] + slots.sizes[slot]])
+    _looked_at[optimizer] = {id(v): weakref.ref(v) for state in states for v in state.values()
+                             if isinstance(v, torch.Tensor)}
 
 
 @torch.no_grad()

@@ -285,6 +285,8 @@ def _run_per_list_entry(call: _OpCall) -> Any:
     func, bound = call.func, call.bound
     if _has_dtensor_entries(bound):
         return _split_off_dtensor_entries(func, bound)
+    runs = flat_buffers.plan_runs(func, bound) if flat_buffers.is_coalescible(func) else None
+    joined = () if runs is None else runs.joined  # entries whose layout their slot already fixes
     lists, scalars = [], []
     for arg in func._schema.arguments:
         value = bound.get(arg.name)
@@ -295,16 +297,21 @@ def _run_per_list_entry(call: _OpCall) -> Any:
             scalars.append(value)
     entries = max((len(values) for values in lists), default=0)
     specs = [
-        _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars) for i in range(entries)
+        runs.tensor(i)._spec if i in joined
+        else _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars)
+        for i in range(entries)
     ]
-    runs = flat_buffers.plan_runs(func, bound) if flat_buffers.is_coalescible(func) else None
+    if joined and scalars:  # the operands every entry shares must still be 0-dim
+        _shared_spec(func, [runs.tensor(next(iter(joined)))] + scalars)
     if runs is None:
         out = call.run_on_pieces()
     else:  # [Note: one kernel per bucket]
         out = runs.run()
         if func._schema.is_mutable:
             call.count_writes()
-    return _with_outputs_wrapped(call, out, lambda pieces: [_wrap_piece(func, p, s) for p, s in zip(pieces, specs)])
+    return _with_outputs_wrapped(call, out, lambda pieces: [
+        RaggedShardTensor(p, s) if i in joined else _wrap_piece(func, p, s) for i, (p, s) in enumerate(zip(pieces, specs))
+    ])
 
 
 def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
