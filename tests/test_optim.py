@@ -14,6 +14,7 @@ Two layouts per optimizer:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -22,10 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.testing.models import MLP
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std
 from parity import Case, run_case
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
@@ -34,6 +36,7 @@ from fsdp_pass.optim.dynamic_code import dequantize_blockwise, dynamic_code, qua
 from fsdp_pass.optim.muon import zeropower_via_newtonschulz
 from fsdp_pass.optim.shampoo import inverse_fourth_root, panel_rows
 from fsdp_pass.blocks import block_size
+from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
 
 STEPS = 10
@@ -410,10 +413,6 @@ ADAMW_KERNELS = {"aten::mul_": 2, "aten::lerp_": 1, "aten::addcmul_": 1, "aten::
 
 def _sharded_llama():
     """The tests' tiny llama sharded on all ranks (one bucket per layer, one for the rest), and a plain copy."""
-    import copy
-
-    from fsdp_pass.testing.models import Llama, LlamaConfig, init_std
-
     model = init_std(Llama(LlamaConfig()))
     ref = copy.deepcopy(model)
     fully_shard(model)
@@ -422,8 +421,6 @@ def _sharded_llama():
 
 def _grads_into_buckets(model: nn.Module, ref: nn.Module, gen: torch.Generator) -> None:
     """Fresh gradients where a backward leaves them: the sharded ones in their buckets' gradient shards."""
-    from fsdp_pass.runtime.dbuffer import buffers_of
-
     for buf in buffers_of(model):
         buf.attach_grads(buf.gradient_buffer(create=True))
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -443,8 +440,6 @@ def _padding(buf) -> torch.Tensor:
 def _assert_flat_states(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Every state tensor of a sharded parameter is a view of one zero-padded buffer per bucket and state
     name, at the parameter's offset in the bucket's shard."""
-    from fsdp_pass.runtime.dbuffer import bucket_of, buffers_of
-
     for buf in buffers_of(model):
         shard_start = buf.shard.data_ptr()
         assert not buf.shard.detach()[_padding(buf)].any(), f"{buf}: padding of the shard written"
@@ -456,9 +451,10 @@ def _assert_flat_states(model: nn.Module, opt: torch.optim.Optimizer) -> None:
                 assert type(value) is type(p), (name, key, type(value))
                 piece = value.to_local()
                 flat = flats.setdefault(key, piece._base)
-                assert piece._base is flat and flat.numel() == buf.shard.numel(), f"{name} {key}: not in the bucket's buffer"
+                assert piece._base is flat and flat.numel() == buf.shard.numel(), f"{name} {key}: not in a bucket buffer"
                 offset = (piece.data_ptr() - flat.data_ptr()) // piece.element_size()
-                assert offset == (p.to_local().data_ptr() - shard_start) // 4 == buf.layout.shard_range(name, buf.rank)[0]
+                expected = buf.layout.shard_range(name, buf.rank)[0]
+                assert offset == (p.to_local().data_ptr() - shard_start) // 4 == expected, (name, key, offset, expected)
         for key, flat in flats.items():
             assert not flat[_padding(buf)].any(), f"{buf} {key}: padding of the state buffer written"
 
@@ -516,10 +512,6 @@ def _per_piece_kernels(prof, names) -> dict[str, int]:
 def _check_one_kernel_per_bucket(rank: int, world: int) -> None:
     """An AdamW step and a zero_grad(set_to_none=False) issue one kernel per list op per bucket, not one per
     parameter; the fused kernel runs once per bucket too; clip_grad_norm_ is unchanged."""
-    from torch.profiler import profile
-
-    from fsdp_pass.runtime.dbuffer import buffers_of
-
     model, ref = _sharded_llama()
     opt = TORCH_OPTIMIZERS["AdamW"](model.parameters(), foreach=True)
     held = [sum(1 for n in buf.names if buf.params[n].to_local().numel()) for buf in buffers_of(model)]
@@ -560,8 +552,6 @@ def _ancestor(event, name: str) -> bool:
 
 def _check_states_flat_again_after_loading(rank: int, world: int) -> None:
     """load_state_dict replaces the states (with copies here): they are moved back into flat buffers, values kept."""
-    import copy
-
     model, ref = _sharded_llama()
     opt = TORCH_OPTIMIZERS["AdamW"](model.parameters())
     gen = torch.Generator().manual_seed(5)

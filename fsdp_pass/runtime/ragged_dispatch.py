@@ -310,7 +310,8 @@ def _run_per_list_entry(call: _OpCall) -> Any:
         if func._schema.is_mutable:
             call.count_writes()
     return _with_outputs_wrapped(call, out, lambda pieces: [
-        RaggedShardTensor(p, s) if i in joined else _wrap_piece(func, p, s) for i, (p, s) in enumerate(zip(pieces, specs))
+        RaggedShardTensor(p, s) if i in joined else _wrap_piece(func, p, s)  # a joined piece is its slot's size
+        for i, (p, s) in enumerate(zip(pieces, specs))
     ])
 
 
