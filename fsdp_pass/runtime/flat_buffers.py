@@ -56,7 +56,7 @@ import torch
 
 from .ragged_tensor import RaggedShardTensor
 
-__all__ = ["BucketSlots", "bucket_slots", "is_coalescible", "plan_runs", "register", "slot_of"]
+__all__ = ["BucketSlots", "Runs", "bucket_slots", "is_coalescible", "plan_runs", "register", "slot_of"]
 
 
 class BucketSlots:
@@ -85,12 +85,12 @@ def bucket_slots(buf) -> BucketSlots:
 class _Buffer:
     """A registered flat buffer: its element ``j`` is element ``origin + j`` of the bucket's shard layout."""
 
-    __slots__ = ("base", "device", "dtype", "slots", "origin", "addresses", "is_state", "views", "_lives", "_alive")
+    __slots__ = ("base", "device_index", "dtype", "slots", "origin", "addresses", "is_state", "views", "_lives", "_alive")
 
     def __init__(self, tensor: torch.Tensor, slots: BucketSlots, origin: int, inside: list[int], is_state: bool,
                  lives: list[torch.Tensor]) -> None:
         self.base: torch.Tensor | None = tensor.detach()  # an alias: it holds the memory, not ``tensor``
-        self.device, self.dtype = tensor.get_device(), tensor.dtype  # device index: -1 for the CPU
+        self.device_index, self.dtype = tensor.get_device(), tensor.dtype  # device index: -1 for the CPU
         self.slots = slots
         self.origin = origin
         size = tensor.element_size()
@@ -159,7 +159,7 @@ def slot_of(piece: torch.Tensor) -> tuple[_Buffer, int] | None:
         return None
     entry = _slots.get(piece.data_ptr())
     if (entry is None or piece.numel() != entry[2] or piece.dtype is not entry[0].dtype or not piece.is_contiguous()
-            or piece.get_device() != entry[0].device):
+            or piece.get_device() != entry[0].device_index):
         return None
     return entry[0], entry[1]
 
@@ -172,7 +172,7 @@ def _slots_of(values: list | tuple) -> tuple[list[_Buffer | None], list[int]]:
         piece = t._local if isinstance(t, RaggedShardTensor) else None
         entry = get(piece.data_ptr()) if type(piece) is torch.Tensor else None
         if (entry is not None and piece.numel() == entry[2] and piece.dtype is entry[0].dtype and piece.is_contiguous()
-                and piece.get_device() == entry[0].device):
+                and piece.get_device() == entry[0].device_index):
             buffers.append(entry[0])
             slots.append(entry[1])
         else:
