@@ -14,6 +14,7 @@ Two layouts per optimizer:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -22,10 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.testing.models import MLP
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std
 from parity import Case, run_case
 from fsdp_pass.fully_shard import fully_shard
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
@@ -34,6 +36,7 @@ from fsdp_pass.optim.dynamic_code import dequantize_blockwise, dynamic_code, qua
 from fsdp_pass.optim.muon import zeropower_via_newtonschulz
 from fsdp_pass.optim.shampoo import inverse_fourth_root, panel_rows
 from fsdp_pass.blocks import block_size
+from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
 
 STEPS = 10
@@ -390,37 +393,186 @@ def test_adamw8bit_matches_bitsandbytes() -> None:
         assert difference.max() <= 0.5 * lr and difference.mean() <= 0.01 * lr, (difference.max(), difference.mean())
 
 
-def _default_torch_optimizers_worker(rank: int, world: int) -> None:
-    """torch's AdamW/Adam/SGD left at foreach=None step sharded parameters with list kernels
-    ([Note: list kernels for sharded parameters]): bitwise equal to the single-tensor loop on whole
-    tensors, and the user's configuration is left as it was."""
-    import copy
+# ---------------------------------------------------------------------------------------------
+# torch optimizers on sharded parameters: list kernels, one per bucket
+# ([Note: list kernels for sharded parameters], [Note: one kernel per bucket])
+# ---------------------------------------------------------------------------------------------
 
-    from fsdp_pass.testing.models import Llama, LlamaConfig, init_std
+TORCH_OPTIMIZERS = {
+    "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "AdamW amsgrad": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, **kw),
+    "Adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, **kw),  # L2: out-of-place adds
+    "SGD momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
+    "SGD nesterov": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, **kw),
+}
+IMPLEMENTATIONS = [{"foreach": None}, {"foreach": True}, {"foreach": False}, {"fused": True}]
+# Per-piece kernels one AdamW (weight decay on, foreach) step issues per list op, by the list op's name.
+ADAMW_KERNELS = {"aten::mul_": 2, "aten::lerp_": 1, "aten::addcmul_": 1, "aten::sqrt": 1, "aten::div_": 1,
+                 "aten::add_": 1, "aten::addcdiv_": 1}
 
-    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                 lambda ps: torch.optim.Adam(ps, lr=1e-2),
-                 lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
-        model = init_std(Llama(LlamaConfig()))
-        ref = copy.deepcopy(model)
-        fully_shard(model)
-        opt, ref_opt = make(model.parameters()), make(ref.parameters())
-        for group in ref_opt.param_groups:
-            group["foreach"] = False  # the per-parameter loop
-        seen = []  # per-optimizer hooks run after the global ones: what the step itself will use
-        opt.register_step_pre_hook(lambda o, a, k: seen.extend(g["foreach"] for g in o.param_groups))
-        g = torch.Generator().manual_seed(7)
-        for _ in range(3):
-            for p, q in zip(model.parameters(), ref.parameters()):
-                q.grad = torch.randn(q.shape, generator=g)
-                p.grad = distribute_tensor(q.grad, p._spec.mesh, p.placement)
+
+def _sharded_llama():
+    """The tests' tiny llama sharded on all ranks (one bucket per layer, one for the rest), and a plain copy."""
+    model = init_std(Llama(LlamaConfig()))
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    return model, ref
+
+
+def _grads_into_buckets(model: nn.Module, ref: nn.Module, gen: torch.Generator) -> None:
+    """Fresh gradients where a backward leaves them: the sharded ones in their buckets' gradient shards."""
+    for buf in buffers_of(model):
+        buf.attach_grads(buf.gradient_buffer(create=True))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = torch.randn(q.shape, generator=gen)
+        p.grad.copy_(q.grad)
+
+
+def _padding(buf) -> torch.Tensor:
+    """Which elements of ``buf``'s shard are padding (no parameter's piece)."""
+    mask = torch.ones(buf.shard.numel(), dtype=torch.bool)
+    for name in buf.names:
+        a, b = buf.layout.shard_range(name, buf.rank)
+        mask[a:b] = False
+    return mask
+
+
+def _assert_flat_states(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Every state tensor of a sharded parameter is a view of one zero-padded buffer per bucket and state
+    name, at the parameter's offset in the bucket's shard."""
+    for buf in buffers_of(model):
+        shard_start = buf.shard.data_ptr()
+        assert not buf.shard.detach()[_padding(buf)].any(), f"{buf}: padding of the shard written"
+        flats = {}
+        for name, p in buf.params.items():
+            for key, value in opt.state[p].items():
+                if key == "step" or not p.to_local().numel():
+                    continue
+                assert type(value) is type(p), (name, key, type(value))
+                piece = value.to_local()
+                flat = flats.setdefault(key, piece._base)
+                assert piece._base is flat and flat.numel() == buf.shard.numel(), f"{name} {key}: not in a bucket buffer"
+                offset = (piece.data_ptr() - flat.data_ptr()) // piece.element_size()
+                expected = buf.layout.shard_range(name, buf.rank)[0]
+                assert offset == (p.to_local().data_ptr() - shard_start) // 4 == expected, (name, key, offset, expected)
+        for key, flat in flats.items():
+            assert not flat[_padding(buf)].any(), f"{buf} {key}: padding of the state buffer written"
+
+
+def _check_torch_optimizers_match_the_loop(rank: int, world: int) -> None:
+    """AdamW (also amsgrad), Adam, SGD momentum (also nesterov), each list-kernel, per-parameter loop and fused,
+    stepped on sharded parameters whose gradients sit in the buckets: the list kernels run once per bucket
+    on flat buffers and are bitwise equal to the per-parameter loop on whole tensors; the user's foreach
+    setting is left as it was; states end up flat; zero_grad(set_to_none=False) zeroes the buckets."""
+    for label, make in TORCH_OPTIMIZERS.items():
+        for impl in IMPLEMENTATIONS:
+            model, ref = _sharded_llama()
+            opt = make(model.parameters(), **impl)
+            fused = impl.get("fused", False)
+            ref_opt = make(ref.parameters(), **({"fused": True} if fused else {"foreach": False}))
+            seen = []  # per-optimizer hooks run after the global ones: what the step itself uses
+            opt.register_step_pre_hook(lambda o, a, k: seen.extend(g["foreach"] for g in o.param_groups))
+            gen = torch.Generator().manual_seed(7)
+            for step in range(4):
+                _grads_into_buckets(model, ref, gen)
+                opt.step()
+                ref_opt.step()
+                set_to_none = step % 2 == 0
+                opt.zero_grad(set_to_none=set_to_none)
+                ref_opt.zero_grad(set_to_none=set_to_none)
+                if not set_to_none:
+                    assert all(not p.grad.to_local().any() for p in model.parameters())
+            what = f"{label} {impl}"
+            assert all(seen) == (impl.get("foreach") is not False and not fused), (what, seen)
+            assert all(g["foreach"] is impl.get("foreach") for g in opt.param_groups), what  # the user's setting
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                states = [(p.full_tensor(), q.detach())]
+                states += [(v.full_tensor(), ref_opt.state[q][k]) for k, v in opt.state[p].items() if k != "step"]
+                for mine, theirs in states:
+                    if fused:
+                        # The fused CPU kernels round each tensor's last (numel % vector width) elements in double:
+                        # which elements those are moves with the range a kernel runs on (pieces, runs).
+                        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
+                    else:
+                        assert torch.equal(mine, theirs), f"{what} {name}: max diff {(mine - theirs).abs().max()}"
+            _assert_flat_states(model, opt)
+
+
+def _per_piece_kernels(prof, names) -> dict[str, int]:
+    """How many of the profiled per-tensor kernels ``names`` ran on non-empty 1-D tensors (the pieces or
+    flat views that list ops hand their per-tensor loop), by name."""
+    counts = dict.fromkeys(names, 0)
+    for event in prof.events():
+        shapes = event.input_shapes
+        if event.name in counts and shapes and len(shapes[0]) == 1 and shapes[0][0] > 0:
+            counts[event.name] += 1
+    return counts
+
+
+def _check_one_kernel_per_bucket(rank: int, world: int) -> None:
+    """An AdamW step and a zero_grad(set_to_none=False) issue one kernel per list op per bucket, not one per
+    parameter; the fused kernel runs once per bucket too; clip_grad_norm_ is unchanged."""
+    model, ref = _sharded_llama()
+    opt = TORCH_OPTIMIZERS["AdamW"](model.parameters(), foreach=True)
+    held = [sum(1 for n in buf.names if buf.params[n].to_local().numel()) for buf in buffers_of(model)]
+    assert max(held) >= 4, held  # buckets whose k >= 4 pieces on this rank would each take k kernels
+    buckets = sum(1 for k in held if k)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        _grads_into_buckets(model, ref, gen)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=False)), (norm, step)
+        with profile(record_shapes=True) as prof:
             opt.step()
-            ref_opt.step()
-        assert seen and all(seen), seen  # the list kernels ran
-        assert all(group["foreach"] is None for group in opt.param_groups)  # and the user's setting is back
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(p.full_tensor(), q), type(opt).__name__
+        if step:  # the first step makes the states; from then on they are flat
+            counts = _per_piece_kernels(prof, ADAMW_KERNELS)
+            assert counts == {name: n * buckets for name, n in ADAMW_KERNELS.items()}, (counts, held)
+        with profile(record_shapes=True) as prof:
+            opt.zero_grad(set_to_none=False)
+        zeros = _per_piece_kernels(prof, ["aten::zero_"])
+        assert zeros == {"aten::zero_": buckets}, (zeros, held)
+
+    model, ref = _sharded_llama()
+    opt = TORCH_OPTIMIZERS["AdamW"](model.parameters(), fused=True)
+    for step in range(2):
+        _grads_into_buckets(model, ref, gen)
+        with profile(record_shapes=True) as prof:
+            opt.step()
+    # The CPU kernel reads each entry's step count once: as often as the call dispatch makes has entries.
+    inner = [e for e in prof.events() if e.name == "aten::_fused_adamw_" and _ancestor(e, "aten::_fused_adamw_")]
+    assert len(inner) == 1 and sum(c.name == "aten::item" for c in inner[0].cpu_children) == buckets, inner
 
 
-def test_default_torch_optimizers_use_list_kernels_bitwise_equal_to_the_loop():
-    run_distributed(_default_torch_optimizers_worker, 2)
+def _ancestor(event, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and parent.name != name:
+        parent = parent.cpu_parent
+    return parent is not None
+
+
+def _check_states_flat_again_after_loading(rank: int, world: int) -> None:
+    """load_state_dict replaces the states (with copies here): they are moved back into flat buffers, values kept."""
+    model, ref = _sharded_llama()
+    opt = TORCH_OPTIMIZERS["AdamW"](model.parameters())
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        _grads_into_buckets(model, ref, gen)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    before = {id(p): {k: v.full_tensor() for k, v in opt.state[p].items() if k != "step"} for p in model.parameters()}
+    opt.load_state_dict(saved)
+    _assert_flat_states(model, opt)
+    for p in model.parameters():
+        for k, v in opt.state[p].items():
+            if k != "step":
+                assert torch.equal(v.full_tensor(), before[id(p)][k]), k
+
+
+def _torch_optimizer_checks(rank: int, world: int) -> None:
+    _check_torch_optimizers_match_the_loop(rank, world)
+    _check_one_kernel_per_bucket(rank, world)
+    _check_states_flat_again_after_loading(rank, world)
+
+
+def test_torch_optimizers_step_buckets_with_one_kernel_bitwise_equal_to_the_loop():
+    run_distributed(_torch_optimizer_checks, 2)

@@ -52,6 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..placement import RaggedShard
 from ..planner import Layout
+from . import flat_buffers
 from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
@@ -142,6 +143,7 @@ class DBuffer:
         self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
         self._pending_config: GatherConfig | None = None
         self._flush_queued = False
+        flat_buffers.register(self.shard, flat_buffers.bucket_slots(self))  # [Note: one kernel per bucket]
 
     # -- geometry ------------------------------------------------------------------------------
     @property
@@ -240,6 +242,7 @@ class DBuffer:
     def attach_grads(self, grad: torch.Tensor) -> None:
         """Point every trainable parameter's ``.grad`` at its view of the gradient shard ``grad``."""
         self._grad_ref = weakref.ref(grad)
+        flat_buffers.register(grad, flat_buffers.bucket_slots(self))  # [Note: one kernel per bucket]
         for name, p in self.params.items():
             if p.requires_grad and not _is_view_of(p.grad, grad):
                 p.grad = self.wrap(name, self.local_piece(name, grad))

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import collectives
+from . import collectives, flat_buffers
 from .dbuffer import bucket_of
 from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import RaggedShardTensor, RaggedSpec
@@ -278,10 +278,15 @@ def _run_elementwise(call: _OpCall) -> Any:
 
 
 def _run_per_list_entry(call: _OpCall) -> Any:
-    """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout."""
+    """``_foreach_*`` / fused optimizer ops: entry ``i`` of every list argument must share a layout.
+
+    Elementwise ones run once per run of neighbouring pieces of a bucket, not once per entry
+    ([Note: one kernel per bucket] in runtime/flat_buffers.py)."""
     func, bound = call.func, call.bound
     if _has_dtensor_entries(bound):
         return _split_off_dtensor_entries(func, bound)
+    runs = flat_buffers.plan_runs(func, bound) if flat_buffers.is_coalescible(func) else None
+    joined = () if runs is None else runs.joined  # entries whose layout their slot already fixes
     lists, scalars = [], []
     for arg in func._schema.arguments:
         value = bound.get(arg.name)
@@ -292,10 +297,22 @@ def _run_per_list_entry(call: _OpCall) -> Any:
             scalars.append(value)
     entries = max((len(values) for values in lists), default=0)
     specs = [
-        _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars) for i in range(entries)
+        runs.tensor(i)._spec if i in joined
+        else _shared_spec(func, [values[i] for values in lists if i < len(values)] + scalars)
+        for i in range(entries)
     ]
-    out = call.run_on_pieces()
-    return _with_outputs_wrapped(call, out, lambda pieces: [_wrap_piece(func, p, s) for p, s in zip(pieces, specs)])
+    if joined and scalars:  # the operands every entry shares must still be 0-dim
+        _shared_spec(func, [runs.tensor(next(iter(joined)))] + scalars)
+    if runs is None:
+        out = call.run_on_pieces()
+    else:  # [Note: one kernel per bucket]
+        out = runs.run()
+        if func._schema.is_mutable:
+            call.count_writes()
+    return _with_outputs_wrapped(call, out, lambda pieces: [
+        RaggedShardTensor(p, s) if i in joined else _wrap_piece(func, p, s)  # a joined piece is its slot's size
+        for i, (p, s) in enumerate(zip(pieces, specs))
+    ])
 
 
 def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
