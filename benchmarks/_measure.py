@@ -299,6 +299,21 @@ def per_collective(calls: list[Call], transfers: list[Transfer], compute: list[t
     return rows
 
 
+def add_peer_lateness(per_rank: list[list[dict]]) -> None:
+    """Set every collective's ``peer_late_ms``: how much later than this rank the last rank issued it.
+
+    A collective cannot finish before every rank has issued it, so up to that much of an early rank's
+    transfer is waiting for a peer, not moving data. Issue times count from each rank's analysed-step
+    start, which a barrier aligns. Nothing is set when the ranks' collectives differ."""
+    names = [[c["name"] for c in rows] for rows in per_rank]
+    if any(n != names[0] for n in names):
+        return
+    for same in zip(*per_rank):
+        last = max(c["issue_ms"] for c in same)
+        for c in same:
+            c["peer_late_ms"] = last - c["issue_ms"]
+
+
 def first_and_last(collectives: list[dict]) -> dict:
     """The first all-gather of the forward and the last reduce-scatter of the backward, and their
     exposed ms (None where the step has no such collective or its transfer was not found)."""

@@ -50,7 +50,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from _measure import first_and_last  # noqa: E402
+from _measure import add_peer_lateness, first_and_last  # noqa: E402
 from _systems import SYSTEMS, simplefsdp_import_error  # noqa: E402
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss, random_tokens  # noqa: E402
 from fsdp_pass.testing.spawn import RankFailed, run_distributed  # noqa: E402
@@ -249,6 +249,7 @@ def summarize(key: str, ranks: list[dict], wall: float) -> dict:
     phase_ms = {name: 1e3 * statistics.median(max(r["phases_s"][i][j] for r in ranks) for i in range(len(times)))
                 for j, name in enumerate(("forward", "backward", "optimizer"))}
     copy_bytes = max(r["runtime_copy_bytes"] + r["graph_copies"]["bytes"] for r in ranks)
+    add_peer_lateness([r["collectives"] for r in ranks])
     comm = max(r["comm_ms"] for r in ranks)
     hidden = min(r["comm_hidden_ms"] for r in ranks)
     return {
@@ -403,13 +404,13 @@ def collectives_table(collectives: list[dict]) -> str:
     """One rank's collectives in issue order (``_measure.per_collective``), then the first all-gather of
     the forward and the last reduce-scatter of the backward."""
     head = ("collective", "phase", "MiB", "issued at ms", "issue-to-wait ms", "transfer ms", "hidden ms",
-            "exposed ms", "hidden", "wait ms")
+            "exposed ms", "hidden", "wait ms", "peer late ms")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in collectives:
         share = f"{100 * c['hidden_ms'] / c['transfer_ms']:.0f}%" if c["transfer_ms"] else "-"
         lines.append(f"| {c['name']} | {c['phase'] or '-'} | {_mib(c['bytes'])} | {c['issue_ms']:.1f} "
                      f"| {_ms(c['window_ms'])} | {_ms(c['transfer_ms'])} | {_ms(c['hidden_ms'])} "
-                     f"| {_ms(c['exposed_ms'])} | {share} | {_ms(c['wait_ms'])} |")
+                     f"| {_ms(c['exposed_ms'])} | {share} | {_ms(c['wait_ms'])} | {_ms(c.get('peer_late_ms'))} |")
     ends = first_and_last(collectives)
     lines.append(f"\nfirst all-gather of the forward ({ends['first_ag']}): {_ms(ends['first_ag_exposed_ms'])} ms "
                  f"exposed; last reduce-scatter of the backward ({ends['last_rs']}): "
@@ -521,8 +522,9 @@ def bucket_settings(cfg: LlamaConfig) -> list[tuple[str, dict]]:
 
 
 def bucket_sweep(args: dict, cfg: LlamaConfig, timeout: float) -> list[dict]:
-    """OURS at every ``bucket_settings`` granularity: step time and exposed communication, in total
-    (both ranks, as in the breakdown) and for the first all-gather and last reduce-scatter (rank 0)."""
+    """OURS at every ``bucket_settings`` granularity: step time and exposed communication, in total (as
+    in the breakdown) and, per rank, for the first all-gather of the forward and the last reduce-scatter
+    of the backward, with the time each rank sat in waits."""
     rows = []
     for label, options in bucket_settings(cfg):
         t0 = time.time()
@@ -532,25 +534,28 @@ def bucket_sweep(args: dict, cfg: LlamaConfig, timeout: float) -> list[dict]:
         if "error" in run:
             rows.append({**row, "error": run["error"]})
             continue
-        rank0 = run["collectives"][0]
-        rows.append({**row, "buckets": len(run["notes"]["buckets"]), "collectives": len(rank0),
+        ends = [first_and_last(c) for c in run["collectives"]]
+        rows.append({**row, "buckets": len(run["notes"]["buckets"]), "collectives": len(run["collectives"][0]),
                      "median_ms": 1e3 * run["median_s"], "comm_ms": run["comm_ms"],
                      "hidden_fraction": run["hidden_fraction"], "exposed_ms": run["comm_ms"] - run["comm_hidden_ms"],
-                     **first_and_last(rank0), "wait_ms": sum(c["wait_ms"] or 0.0 for c in rank0), "run": run})
+                     **{k: [e[k] for e in ends] for k in ("first_ag_exposed_ms", "last_rs_exposed_ms")},
+                     "wait_ms": [sum(c["wait_ms"] or 0.0 for c in rank) for rank in run["collectives"]],
+                     "run": run})
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
-    head = ("setting", "buckets", "median ms", "comm ms (hidden)", "exposed comm ms", "first AG exposed ms",
-            "last RS exposed ms", "waits ms (rank 0)")
+    head = ("setting", "buckets", "median ms", "comm ms (hidden)", "exposed comm ms",
+            "first AG exposed ms, per rank", "last RS exposed ms, per rank", "in waits ms, per rank")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['setting']} | failed: {r['error'][:80]} |" + " |" * (len(head) - 2))
             continue
+        per_rank = [" / ".join(map(_ms, r[k])) for k in ("first_ag_exposed_ms", "last_rs_exposed_ms", "wait_ms")]
         lines.append(f"| {r['setting']} | {r['buckets']} | {r['median_ms']:.0f} "
                      f"| {r['comm_ms']:.0f} ({100 * (r['hidden_fraction'] or 0):.0f}%) | {r['exposed_ms']:.1f} "
-                     f"| {_ms(r['first_ag_exposed_ms'])} | {_ms(r['last_rs_exposed_ms'])} | {r['wait_ms']:.1f} |")
+                     f"| {' | '.join(per_rank)} |")
     return "\n".join(lines)
 
 
