@@ -265,8 +265,9 @@ def per_collective(calls: list[Call], transfers: list[Transfer], compute: list[t
     output size after it is issued (waits of same-sized buckets come in issue order). ``hidden`` is
     the part of the transfer during which the training thread ran compute (``compute``: the same
     union of operator intervals the step's total hidden fraction is measured against); ``exposed``
-    is the rest. ``window`` is issue to wait: the compute the schedule put in between; ``wait`` is
-    the time the training thread sat in the wait. Transfers run concurrently (gloo has two worker
+    is the rest. ``call`` is the time the training thread spent issuing it (dispatch, gloo's enqueue,
+    for a reduce-scatter a copy of its input); ``window`` is issue to wait: the compute the schedule
+    put in between; ``wait`` is the time the training thread sat in the wait. Transfers run concurrently (gloo has two worker
     threads), so per-collective times can add up to more than the step's communication."""
     rows: list[dict] = []
     pending: list[tuple[int, float, dict]] = []  # (output elements, issue time, row): not waited on yet
@@ -286,8 +287,8 @@ def per_collective(calls: list[Call], transfers: list[Transfer], compute: list[t
         row = {"name": name, "kind": kind,
                "phase": next((ph for ph, s, e in phases if s <= c.start < e), None),
                "bytes": max(c.numel, out_numel) * ELEMENT_BYTES,  # the whole bucket
-               "issue_ms": (c.start - t0) / 1e3, "transfer_ms": None, "hidden_ms": None, "exposed_ms": None,
-               "window_ms": None, "wait_ms": None}
+               "issue_ms": (c.start - t0) / 1e3, "call_ms": (c.end - c.start) / 1e3, "transfer_ms": None,
+               "hidden_ms": None, "exposed_ms": None, "window_ms": None, "wait_ms": None}
         t = next((t for t in left if t.name in _TRANSFERS[kind] and t.numel == c.numel and t.start >= c.start), None)
         if t is not None:
             left.remove(t)

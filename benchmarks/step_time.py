@@ -403,13 +403,13 @@ def _ms(v) -> str:
 def collectives_table(collectives: list[dict]) -> str:
     """One rank's collectives in issue order (``_measure.per_collective``), then the first all-gather of
     the forward and the last reduce-scatter of the backward."""
-    head = ("collective", "phase", "MiB", "issued at ms", "issue-to-wait ms", "transfer ms", "hidden ms",
-            "exposed ms", "hidden", "wait ms", "peer late ms")
+    head = ("collective", "phase", "MiB", "issued at ms", "issue call ms", "issue-to-wait ms", "transfer ms",
+            "hidden ms", "exposed ms", "hidden", "wait ms", "peer late ms")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in collectives:
         share = f"{100 * c['hidden_ms'] / c['transfer_ms']:.0f}%" if c["transfer_ms"] else "-"
         lines.append(f"| {c['name']} | {c['phase'] or '-'} | {_mib(c['bytes'])} | {c['issue_ms']:.1f} "
-                     f"| {_ms(c['window_ms'])} | {_ms(c['transfer_ms'])} | {_ms(c['hidden_ms'])} "
+                     f"| {c['call_ms']:.1f} | {_ms(c['window_ms'])} | {_ms(c['transfer_ms'])} | {_ms(c['hidden_ms'])} "
                      f"| {_ms(c['exposed_ms'])} | {share} | {_ms(c['wait_ms'])} | {_ms(c.get('peer_late_ms'))} |")
     ends = first_and_last(collectives)
     lines.append(f"\nfirst all-gather of the forward ({ends['first_ag']}): {_ms(ends['first_ag_exposed_ms'])} ms "
@@ -540,19 +540,22 @@ def bucket_sweep(args: dict, cfg: LlamaConfig, timeout: float) -> list[dict]:
                      "hidden_fraction": run["hidden_fraction"], "exposed_ms": run["comm_ms"] - run["comm_hidden_ms"],
                      **{k: [e[k] for e in ends] for k in ("first_ag_exposed_ms", "last_rs_exposed_ms")},
                      "wait_ms": [sum(c["wait_ms"] or 0.0 for c in rank) for rank in run["collectives"]],
+                     "call_ms": [sum(c["call_ms"] for c in rank) for rank in run["collectives"]],
                      "run": run})
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
     head = ("setting", "buckets", "median ms", "comm ms (hidden)", "exposed comm ms",
-            "first AG exposed ms, per rank", "last RS exposed ms, per rank", "in waits ms, per rank")
+            "first AG exposed ms, per rank", "last RS exposed ms, per rank", "in waits ms, per rank",
+            "issuing ms, per rank")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['setting']} | failed: {r['error'][:80]} |" + " |" * (len(head) - 2))
             continue
-        per_rank = [" / ".join(map(_ms, r[k])) for k in ("first_ag_exposed_ms", "last_rs_exposed_ms", "wait_ms")]
+        per_rank = [" / ".join(map(_ms, r[k])) for k in ("first_ag_exposed_ms", "last_rs_exposed_ms", "wait_ms",
+                                                             "call_ms")]
         lines.append(f"| {r['setting']} | {r['buckets']} | {r['median_ms']:.0f} "
                      f"| {r['comm_ms']:.0f} ({100 * (r['hidden_fraction'] or 0):.0f}%) | {r['exposed_ms']:.1f} "
                      f"| {' | '.join(per_rank)} |")

@@ -112,7 +112,7 @@ def test_per_collective_pairs_issue_transfer_and_wait():
     assert [(r["name"], r["phase"], r["bytes"]) for r in rows] == [
         ("AG0", "forward", 800), ("AG1", "forward", 400), ("RS0", "backward", 800)]
     first, second, scatter = rows
-    assert (first["transfer_ms"], first["hidden_ms"], first["wait_ms"]) == (1.0, 0.0, 1.0)  # nothing to hide behind
+    assert (first["call_ms"], first["transfer_ms"], first["hidden_ms"], first["wait_ms"]) == (0.01, 1.0, 0.0, 1.0)
     assert (second["hidden_ms"], second["exposed_ms"], second["window_ms"]) == (0.935, 1.065, 2.98)
     assert (scatter["hidden_ms"], scatter["exposed_ms"]) == (3.8, 0.2)
     assert M.first_and_last(rows) == {"first_ag": "AG0", "first_ag_exposed_ms": 1.0,
