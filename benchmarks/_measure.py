@@ -1,4 +1,4 @@
-"""Measurements for ``step_time.py``: memory, FSDP copy bytes and hidden communication.
+"""Measurements for ``step_time.py``: memory, FSDP copy bytes and hidden communication (in total and per collective).
 
 Every rule here is applied the same way to every system; ``docs/benchmarks.md`` explains them.
 All tensors in these benchmarks are fp32, so byte counts are elements x 4.
@@ -265,10 +265,11 @@ def per_collective(calls: list[Call], transfers: list[Transfer], compute: list[t
     output size after it is issued (waits of same-sized buckets come in issue order). ``hidden`` is
     the part of the transfer during which the training thread ran compute (``compute``: the same
     union of operator intervals the step's total hidden fraction is measured against); ``exposed``
-    is the rest. ``call`` is the time the training thread spent issuing it (dispatch, gloo's enqueue,
-    for a reduce-scatter a copy of its input); ``window`` is issue to wait: the compute the schedule
-    put in between; ``wait`` is the time the training thread sat in the wait. Transfers run concurrently (gloo has two worker
-    threads), so per-collective times can add up to more than the step's communication."""
+    is the rest. ``call`` is the time the training thread spent issuing it (dispatch, gloo's enqueue;
+    a reduce-scatter's also clones its input for gloo's all-reduce); ``window`` is issue to wait: the
+    compute the schedule put in between; ``wait`` is the time the training thread sat in the wait (a
+    reduce-scatter's also copies this rank's chunk out). Transfers run concurrently (gloo has two
+    worker threads), so per-collective times can add up to more than the step's communication."""
     rows: list[dict] = []
     pending: list[tuple[int, float, dict]] = []  # (output elements, issue time, row): not waited on yet
     left = sorted(transfers, key=lambda t: t.start)

@@ -20,9 +20,13 @@ warm-up steps (the first compiles; compile time is reported, not counted), then 
 
     python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--steps 10] [--warmup 3]
                                    [--systems single,fsdp2,fsdp_pass_inductor] [--quick]
+    python benchmarks/step_time.py --bucket-sweep [--model llama]
 
 Writes ``benchmarks/results/step_time[_<model>].json`` and ``.png`` (matplotlib, the ``bench`` extra).
-How each number is measured: ``docs/benchmarks.md``.
+For fsdp_pass it also prints every collective of the profiled step: transfer, hidden and exposed time,
+wait. ``--bucket-sweep`` runs only fsdp_pass (Inductor, overlap on) at bucket granularities from the
+whole model to quarter units and reports exposed communication per setting
+(``benchmarks/results/bucket_sweep[_<model>].json``). How each number is measured: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -356,7 +360,8 @@ def goals(rows: list[dict]) -> list[dict]:
         ours["peak_tensor_bytes"] / f2["peak_tensor_bytes"] if f2 else None)
     add("peak per-rank memory <= {t}x FSDP2 (RSS)", "memory_vs_fsdp2",
         ours["peak_rss_bytes"] / f2["peak_rss_bytes"] if f2 else None)
-    add("step time <= {t}x single-process floor", "step_vs_floor", ours["median_s"] / floor["median_s"] if floor else None)
+    add("step time <= {t}x single-process floor", "step_vs_floor",
+        ours["median_s"] / floor["median_s"] if floor else None)
     return out
 
 
