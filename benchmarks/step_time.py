@@ -493,6 +493,18 @@ def report_run(tag: str, row: dict, t0: float) -> None:
               f"load {os.getloadavg()[0]:.2f}  loss {row['losses_rank0'][0]:.4f} -> {row['losses_rank0'][-1]:.4f}")
 
 
+def run_rounds(jobs: dict[str, tuple[str, dict]], repeat: int, timeout: float) -> dict[str, list[dict]]:
+    """Every job (tag: (system key, args)) ``repeat`` times, round robin, a progress line per run: tag: its runs."""
+    runs: dict[str, list[dict]] = {tag: [] for tag in jobs}
+    for rep in range(repeat):
+        for tag, (key, args) in jobs.items():
+            t0 = time.time()
+            row = run_system(key, args, timeout)
+            runs[tag].append(row)
+            report_run(f"{tag}{f' #{rep + 1}' if repeat > 1 else ''}", row, t0)
+    return runs
+
+
 def run_meta(args: dict, cfg: LlamaConfig, load_before, load_after, total: float, **extra) -> dict:
     """What a results JSON records about the run besides its rows."""
     return {
@@ -526,41 +538,52 @@ def bucket_settings(cfg: LlamaConfig) -> list[tuple[str, dict]]:
             ("quarter units", {"bucket_size": unit // 4})]
 
 
-def bucket_sweep(args: dict, cfg: LlamaConfig, timeout: float) -> list[dict]:
-    """OURS at every ``bucket_settings`` granularity: step time and exposed communication, in total (as
-    in the breakdown) and, per rank, for the first all-gather of the forward and the last reduce-scatter
-    of the backward, with the time each rank sat in waits."""
-    rows = []
-    for label, options in bucket_settings(cfg):
-        t0 = time.time()
-        run = run_system(OURS, {**args, "options": options}, timeout)
-        report_run(label, run, t0)
-        row = {"setting": label, "options": options}
-        if "error" in run:
-            rows.append({**row, "error": run["error"]})
-            continue
-        ends = [first_and_last(c) for c in run["collectives"]]
-        rows.append({**row, "buckets": len(run["notes"]["buckets"]), "collectives": len(run["collectives"][0]),
-                     "median_ms": 1e3 * run["median_s"], "comm_ms": run["comm_ms"],
-                     "hidden_fraction": run["hidden_fraction"], "exposed_ms": run["comm_ms"] - run["comm_hidden_ms"],
-                     **{k: [e[k] for e in ends] for k in ("first_ag_exposed_ms", "last_rs_exposed_ms")},
-                     "wait_ms": [sum(c["wait_ms"] or 0.0 for c in rank) for rank in run["collectives"]],
-                     "call_ms": [sum(c["call_ms"] for c in rank) for rank in run["collectives"]],
-                     "run": run})
-    return rows
+def bucket_sweep(args: dict, cfg: LlamaConfig, repeat: int, timeout: float) -> list[dict]:
+    """OURS at every ``bucket_settings`` granularity, ``repeat`` rounds: one ``sweep_row`` per setting."""
+    settings = bucket_settings(cfg)
+    runs = run_rounds({label: (OURS, {**args, "options": options}) for label, options in settings}, repeat, timeout)
+    return [sweep_row(label, options, runs[label]) for label, options in settings]
+
+
+def sweep_row(label: str, options: dict, runs: list[dict]) -> dict:
+    """One setting: step times pooled over its runs (``merge_repeats``); communication figures from each
+    run's profiled step, the median over runs: exposed in total (as in the breakdown) and, per rank, of
+    the first all-gather of the forward and the last reduce-scatter of the backward, time in waits and
+    the part of it beyond waiting for a late peer (``peer_late_ms``), time issuing collectives."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"setting": label, "options": options, "error": runs[0]["error"], "runs": runs}
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def per_rank(f):
+        return [median(f(r["collectives"][k]) for r in ok) for k in range(len(ok[0]["collectives"]))]
+
+    return {"setting": label, "options": options, "buckets": len(ok[0]["notes"]["buckets"]),
+            "collectives": len(ok[0]["collectives"][0]), "median_ms": 1e3 * merge_repeats(runs)["median_s"],
+            "comm_ms": median(r["comm_ms"] for r in ok), "hidden_fraction": median(r["hidden_fraction"] for r in ok),
+            "exposed_ms": median(r["comm_ms"] - r["comm_hidden_ms"] for r in ok),
+            "first_ag_exposed_ms": per_rank(lambda c: first_and_last(c)["first_ag_exposed_ms"]),
+            "last_rs_exposed_ms": per_rank(lambda c: first_and_last(c)["last_rs_exposed_ms"]),
+            "wait_ms": per_rank(lambda c: sum(x["wait_ms"] or 0.0 for x in c)),
+            "own_wait_ms": per_rank(lambda c: sum(max(0.0, (x["wait_ms"] or 0.0) - x.get("peer_late_ms", 0.0))
+                                                  for x in c)),
+            "call_ms": per_rank(lambda c: sum(x["call_ms"] for x in c)), "runs": runs}
 
 
 def sweep_table(rows: list[dict]) -> str:
     head = ("setting", "buckets", "median ms", "comm ms (hidden)", "exposed comm ms",
             "first AG exposed ms, per rank", "last RS exposed ms, per rank", "in waits ms, per rank",
-            "issuing ms, per rank")
+            "beyond peer lateness", "issuing ms, per rank")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['setting']} | failed: {r['error'][:80]} |" + " |" * (len(head) - 2))
             continue
         per_rank = [" / ".join(map(_ms, r[k])) for k in ("first_ag_exposed_ms", "last_rs_exposed_ms", "wait_ms",
-                                                             "call_ms")]
+                                                             "own_wait_ms", "call_ms")]
         lines.append(f"| {r['setting']} | {r['buckets']} | {r['median_ms']:.0f} "
                      f"| {r['comm_ms']:.0f} ({100 * (r['hidden_fraction'] or 0):.0f}%) | {r['exposed_ms']:.1f} "
                      f"| {' | '.join(per_rank)} |")
@@ -585,8 +608,8 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=None, help=f"comma-separated keys or globs of: {', '.join(SYSTEMS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and 3 steps: checks that everything runs")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="run the list of systems this many times, round robin, and pool the step times "
-                         "(spreads the effect of other load over all systems)")
+                    help="run the list of systems (or the --bucket-sweep settings) this many times, round robin, "
+                         "and pool the step times (spreads the effect of other load over all of them)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system before its ranks are killed")
     ap.add_argument("--dump-graphs", default=None, help="write the compiled FSDP systems' graphs here (rank 0)")
     ap.add_argument("--out", type=Path, default=None, help="result path stem (default benchmarks/results/step_time)")
@@ -616,11 +639,11 @@ def main(argv=None) -> int:
           f"{load_before[2]:.2f}, torch {torch.__version__}")
     if a.bucket_sweep:
         t_all = time.time()
-        rows = bucket_sweep(args, cfg, a.timeout)
+        rows = bucket_sweep(args, cfg, a.repeat, a.timeout)
         text = sweep_table(rows)
         print(f"\n{text}")
         stem = result_stem(a, "bucket_sweep")
-        meta = run_meta(args, cfg, load_before, os.getloadavg(), time.time() - t_all)
+        meta = run_meta(args, cfg, load_before, os.getloadavg(), time.time() - t_all, repeat=a.repeat)
         stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "settings": rows}, indent=1, default=str))
         stem.with_suffix(".md").write_text(f"Bucket sweep {meta['date']}, model `{a.model}`\n\n{text}\n")
         print(f"wrote {stem.with_suffix('.json')}")
@@ -639,14 +662,8 @@ def main(argv=None) -> int:
         print(f"fsdp_pass: this checkout does not know option(s) {dropped}: they are not passed "
               f"(the overlap on/off rows then run the same configuration)")
 
-    runs: dict[str, list[dict]] = {k: [] for k in keys}
     t_all = time.time()
-    for rep in range(a.repeat):
-        for key in keys:
-            t0 = time.time()
-            row = run_system(key, args, a.timeout)
-            runs[key].append(row)
-            report_run(f"{key}{f' #{rep + 1}' if a.repeat > 1 else ''}", row, t0)
+    runs = run_rounds({k: (k, args) for k in keys}, a.repeat, a.timeout)
     rows = [merge_repeats(runs[k]) for k in keys]
     load_after = os.getloadavg()
     total = time.time() - t_all
