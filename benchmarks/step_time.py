@@ -524,12 +524,13 @@ def run_meta(args: dict, cfg: LlamaConfig, load_before, load_after, total: float
 def bucket_settings(cfg: LlamaConfig) -> list[tuple[str, dict]]:
     """The ``--bucket-sweep`` granularities, coarse to fine: fsdp_pass options over OURS's.
 
-    The model's units are the embedding, each layer and the final norm with the output. A
-    ``min_bucket_bytes`` above the model merges every unit into one bucket; ``bucket_size`` (elements)
-    then cuts that into two, or, with the default cost model, cuts every unit into parts."""
+    The model's units are the embedding, each layer, the final norm (tiny: merged into a neighbour)
+    and the output. A ``min_bucket_bytes`` above the model merges every unit into one bucket;
+    ``bucket_size`` (elements) then cuts that into two, or, with the default cost model, cuts every
+    unit into parts."""
     with torch.device("meta"):
         n = sum(p.numel() for p in Llama(cfg).parameters())
-    unit = n // (cfg.layers + 2)
+    unit = n // (cfg.layers + 2)  # the average of the units that count
     merge_all = 1 << 62
     return [("whole model", {"min_bucket_bytes": merge_all}),
             ("two halves", {"min_bucket_bytes": merge_all, "bucket_size": n * 11 // 20}),  # over half: units fit
