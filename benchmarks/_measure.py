@@ -247,6 +247,7 @@ _TRANSFERS = {"AG": ("gloo:all_gather",), "RS": ("gloo:reduce_scatter", "gloo:al
 
 
 def _call(e) -> Call:
+    """A profiler event of ``_ISSUED`` or ``_WAIT`` (``record_shapes=True`` gives shapes and scalar args)."""
     shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
     kind = _ISSUED.get(e.name)
     concrete = getattr(e, "concrete_inputs", None) or []
