@@ -1,4 +1,4 @@
-"""Measurements for ``step_time.py``: memory, FSDP copy bytes and hidden communication.
+"""Measurements for ``step_time.py``: memory, FSDP copy bytes and hidden communication (in total and per collective).
 
 Every rule here is applied the same way to every system; ``docs/benchmarks.md`` explains them.
 All tensors in these benchmarks are fp32, so byte counts are elements x 4.
@@ -10,7 +10,7 @@ import ctypes
 import gc
 import math
 import re
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -217,12 +217,122 @@ def _intersection(a, b) -> float:
     return total
 
 
+class Transfer(NamedTuple):
+    """A collective's transfer on a gloo thread (``gloo:all_gather``, ...), in microseconds."""
+
+    name: str
+    numel: int  # elements of its input
+    start: float
+    end: float
+
+
+class Call(NamedTuple):
+    """A functional collective issued, or a ``wait_tensor``, on the training thread, in microseconds."""
+
+    name: str
+    numel: int  # elements of its (first) input
+    group_size: int  # of the collective's process group (1 where the call does not say it)
+    start: float
+    end: float
+
+
+_WAIT = "_c10d_functional::wait_tensor"
+# Functional collectives the training thread issues: kind, and which argument is the group size.
+_ISSUED = {"_c10d_functional::all_gather_into_tensor": ("AG", 1),
+           "_c10d_functional::all_gather_into_tensor_out": ("AG", 1),
+           "_c10d_functional::reduce_scatter_tensor": ("RS", 2),
+           "_c10d_functional::all_reduce": ("AR", None)}
+# The gloo work event a collective of each kind runs as (gloo emulates reduce-scatter with an all-reduce).
+_TRANSFERS = {"AG": ("gloo:all_gather",), "RS": ("gloo:reduce_scatter", "gloo:all_reduce"), "AR": ("gloo:all_reduce",)}
+
+
+def _call(e) -> Call:
+    """A profiler event of ``_ISSUED`` or ``_WAIT`` (``record_shapes=True`` gives shapes and scalar args)."""
+    shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
+    kind = _ISSUED.get(e.name)
+    concrete = getattr(e, "concrete_inputs", None) or []
+    group = concrete[kind[1]] if kind and kind[1] is not None and len(concrete) > kind[1] else None
+    return Call(e.name, _numel(shapes[0]) if shapes else 0, group if isinstance(group, int) else 1,
+                e.time_range.start, e.time_range.end)
+
+
+def per_collective(calls: list[Call], transfers: list[Transfer], compute: list[tuple[float, float]],
+                   phases: list[tuple[str, float, float]], t0: float) -> list[dict]:
+    """Every collective of the step in issue order, named by kind in that order (``AG0``, ``AG1``, ...,
+    ``RS0``, ...), with its bytes and timing in ms (from ``t0``, the step's start).
+
+    A collective's transfer is the first gloo event of its kind and input size that starts after it is
+    issued (gloo runs its queue in order); its wait is the first ``wait_tensor`` on a tensor of its
+    output size after it is issued (waits of same-sized buckets come in issue order). ``hidden`` is
+    the part of the transfer during which the training thread ran compute (``compute``: the same
+    union of operator intervals the step's total hidden fraction is measured against); ``exposed``
+    is the rest. ``call`` is the time the training thread spent issuing it (dispatch, gloo's enqueue;
+    a reduce-scatter's also clones its input for gloo's all-reduce); ``window`` is issue to wait: the
+    compute the schedule put in between; ``wait`` is the time the training thread sat in the wait (a
+    reduce-scatter's also copies this rank's chunk out). Transfers run concurrently (gloo has two
+    worker threads), so per-collective times can add up to more than the step's communication."""
+    rows: list[dict] = []
+    pending: list[tuple[int, float, dict]] = []  # (output elements, issue time, row): not waited on yet
+    left = sorted(transfers, key=lambda t: t.start)
+    count: dict[str, int] = {}
+    for c in sorted(calls, key=lambda c: c.start):
+        if c.name == _WAIT:
+            hit = next((p for p in pending if p[0] == c.numel), None)
+            if hit is not None:
+                pending.remove(hit)
+                hit[2].update(window_ms=(c.start - hit[1]) / 1e3, wait_ms=(c.end - c.start) / 1e3)
+            continue
+        kind = _ISSUED[c.name][0]
+        out_numel = {"AG": c.numel * c.group_size, "RS": c.numel // c.group_size}.get(kind, c.numel)
+        name = f"{kind}{count.get(kind, 0)}"
+        count[kind] = count.get(kind, 0) + 1
+        row = {"name": name, "kind": kind,
+               "phase": next((ph for ph, s, e in phases if s <= c.start < e), None),
+               "bytes": max(c.numel, out_numel) * ELEMENT_BYTES,  # the whole bucket
+               "issue_ms": (c.start - t0) / 1e3, "call_ms": (c.end - c.start) / 1e3, "transfer_ms": None,
+               "hidden_ms": None, "exposed_ms": None, "window_ms": None, "wait_ms": None}
+        t = next((t for t in left if t.name in _TRANSFERS[kind] and t.numel == c.numel and t.start >= c.start), None)
+        if t is not None:
+            left.remove(t)
+            hidden = _intersection([(t.start, t.end)], compute)
+            row.update(transfer_ms=(t.end - t.start) / 1e3, hidden_ms=hidden / 1e3,
+                       exposed_ms=(t.end - t.start - hidden) / 1e3)
+        pending.append((out_numel, c.start, row))
+        rows.append(row)
+    return rows
+
+
+def add_peer_lateness(per_rank: list[list[dict]]) -> None:
+    """Set every collective's ``peer_late_ms``: how much later than this rank the last rank issued it.
+
+    A collective cannot finish before every rank has issued it, so up to that much of an early rank's
+    transfer is waiting for a peer, not moving data. Issue times count from each rank's analysed-step
+    start, which a barrier aligns. Nothing is set when the ranks' collectives differ."""
+    names = [[c["name"] for c in rows] for rows in per_rank]
+    if any(n != names[0] for n in names):
+        return
+    for same in zip(*per_rank):
+        last = max(c["issue_ms"] for c in same)
+        for c in same:
+            c["peer_late_ms"] = last - c["issue_ms"]
+
+
+def first_and_last(collectives: list[dict]) -> dict:
+    """The first all-gather of the forward and the last reduce-scatter of the backward, and their
+    exposed ms (None where the step has no such collective or its transfer was not found)."""
+    ag = next((c for c in collectives if c["kind"] == "AG" and c["phase"] == "forward"), None)
+    rs = next((c for c in reversed(collectives) if c["kind"] == "RS"), None)
+    return {"first_ag": ag and ag["name"], "first_ag_exposed_ms": ag and ag["exposed_ms"],
+            "last_rs": rs and rs["name"], "last_rs_exposed_ms": rs and rs["exposed_ms"]}
+
+
 def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> dict:
     """Copies by data-parallel machinery, comm-internal copies, collective time and its overlap, in
-    the analysed step (``window``; collectives are clipped to it)."""
+    the analysed step (``window``; collectives are clipped to it), in total and per collective."""
     machinery_bytes = machinery_us = comm_internal_bytes = 0.0
     machinery_ops: dict[str, int] = {}
-    comm_iv, compute_iv = [], []
+    transfers: list[Transfer] = []
+    calls, compute_iv, phase_iv = [], [], []
     phase_us = {p.split("::")[1]: 0.0 for p in PHASES}
     for e in events:
         if e.name == "[memory]":
@@ -231,12 +341,18 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
         if end <= window[0] or start >= window[1]:
             continue
         if e.name.startswith("gloo:"):
-            comm_iv.append((max(start, window[0]), min(end, window[1])))
+            shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
+            transfers.append(Transfer(e.name, _numel(shapes[0]) if shapes else 0,
+                                      max(start, window[0]), min(end, window[1])))
             continue
         if e.thread != main_thread:
             continue
         if e.name in PHASES:
             phase_us[e.name.split("::")[1]] += end - start
+            phase_iv.append((e.name.split("::")[1], start, end))
+            continue
+        if e.name in _ISSUED or e.name == _WAIT:
+            calls.append(_call(e))
             continue
         anc = list(_ancestors(e))
         in_comm = any(COMM.match(a.name) for a in anc)
@@ -254,7 +370,7 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
             machinery_bytes += nbytes
             machinery_us += end - start
             machinery_ops[e.name] = machinery_ops.get(e.name, 0) + 1
-    comm = _union(comm_iv)
+    comm = _union((t.start, t.end) for t in transfers)
     compute = _union(compute_iv)
     comm_us = _length(comm)
     hidden_us = _intersection(comm, compute)
@@ -267,6 +383,7 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
         "comm_hidden_ms": hidden_us / 1e3,
         "compute_ms": _length(compute) / 1e3,
         "phase_ms": {k: v / 1e3 for k, v in phase_us.items()},
+        "collectives": per_collective(calls, transfers, compute, phase_iv, window[0]),
     }
 
 
@@ -294,6 +411,11 @@ VIEWS = {_aten.view.default, _aten.view.dtype, _aten._unsafe_view.default, _aten
 EXTERN = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
           _aten._scaled_dot_product_flash_attention_for_cpu.default,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# Reductions: Inductor computes one into a buffer of its own, so a ``copy_`` of it into a bucket is a
+# copy (a ``cat`` realizes a reduction straight into its slice: ``ConcatKernel.can_realize_into_without_copy``).
+REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim, _aten.amax.default,
+              _aten.amin.default, _aten.max.dim, _aten.min.dim, _aten.prod.default, _aten.prod.dim_int,
+              _aten.var.correction, _aten.linalg_vector_norm.default}
 
 
 def _is_getitem(n: fx.Node) -> bool:
@@ -349,6 +471,13 @@ def _feeds_collective(n: fx.Node) -> bool:
     stack, seen = [n], set()
     while stack:
         cur = stack.pop()
+        if cur.target is _aten.copy_.default:
+            # It writes into its destination (a view of a buffer): follow the buffer. Not a graph input:
+            # a copy_ into one is an input mutation (aot_autograd's epilogue), not a bucket being filled.
+            base = _origin(cur.args[0])
+            if base.op != "placeholder" and base not in seen:
+                seen.add(base)
+                stack.append(base)
         for u in cur.users:
             if u in seen:
                 continue
@@ -398,14 +527,21 @@ def _from_extern(x: fx.Node) -> bool:
     return o.op == "placeholder" or o.target in EXTERN or o.target is _c10d.wait_tensor.default
 
 
+def _from_reduction(x: fx.Node) -> bool:
+    return _origin(x).target in REDUCTIONS
+
+
 def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
     """Copies on a collective's data path in one graph (runs once per step).
 
     A copy-like node counts when its output reaches a collective's input through views and other
-    copies only, or its input comes from a collective's wait through unflattening views (no
-    transpose/permute/expand) and other copies only. Under Inductor a ``cat`` costs only the
-    inputs that come from extern kernels (matmuls, attention) or graph inputs: pointwise producers
-    write straight into the concatenated buffer."""
+    copies only (a ``copy_`` through the buffer it writes into), or its input comes from a
+    collective's wait through unflattening views (no transpose/permute/expand) and other copies only.
+    Under Inductor a ``cat`` costs only the inputs that come from extern kernels (matmuls, attention)
+    or graph inputs: pointwise producers write straight into the concatenated buffer; a ``copy_``
+    costs its source when that is an extern kernel, a graph input or a reduction, and nothing when it
+    is pointwise or a constant (fused into the store). A matmul that writes into the bucket itself
+    (``fsdp_pass::mm_into``) is no copy. Under aot_eager a ``copy_`` costs its source."""
     total = 0
     ops: dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -415,7 +551,10 @@ def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
             continue
         bucket = _bucket_op(n)
         if n.target is _aten.copy_.default:
-            nbytes = _nbytes(n.args[1]) if isinstance(n.args[1], fx.Node) else 0
+            src = n.args[1]
+            # Inductor computes a pointwise or constant source straight into the destination.
+            materialized = _from_extern(src) or _from_reduction(src)
+            nbytes = _nbytes(src) if materialized or not inductor else 0
         elif bucket == "ag":  # copies this rank's shards into its slot of the gather buffer
             nbytes = _nbytes(n) // int(n.args[1])
         elif inductor and (n.target is _aten.cat.default or bucket == "rs"):
