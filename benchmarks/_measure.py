@@ -541,7 +541,7 @@ def graph_copy_bytes(gm: fx.GraphModule, inductor: bool) -> dict:
     or graph inputs: pointwise producers write straight into the concatenated buffer; a ``copy_``
     costs its source when that is an extern kernel, a graph input or a reduction, and nothing when it
     is pointwise or a constant (fused into the store). A matmul that writes into the bucket itself
-    (``fsdp_pass::mm_into``) is no copy. Under aot_eager a ``copy_`` costs its source."""
+    (``fsdp_pass::matmul_into``) is no copy. Under aot_eager a ``copy_`` costs its source."""
     total = 0
     ops: dict[str, int] = {}
     for n in gm.graph.nodes:

@@ -15,13 +15,11 @@ import torch.fx as fx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _measure as M  # noqa: E402
 
+from fsdp_pass.runtime.matmul_into import matmul_into  # noqa: E402
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 BUCKET = 64  # elements of the gradient bucket
-
-
-def mm_into(out, offset, a, b):
-    """Stands for ``fsdp_pass::mm_into`` (writes ``a @ b`` into ``out``): to the rule, just an op."""
 
 
 def _node(g: fx.Graph, target, args, shape) -> fx.Node:
@@ -43,7 +41,7 @@ def _bucket_graph(reach_collective: bool = True) -> fx.GraphModule:
     a, b = _input(g, "a", [4, 2]), _input(g, "b", [2, 4])
     x, y = _input(g, "x", [16]), _input(g, "y", [3, 8])
     buf = _node(g, aten.empty.memory_format, ([BUCKET],), [BUCKET])
-    g.call_function(mm_into, (buf, 0, a, b))
+    g.call_function(matmul_into._opoverload, (buf, 0, a, b, [], []))
     sources = [
         _node(g, aten.view.default, (_node(g, aten.mm.default, (b, a), [2, 2]), [4]), [4]),
         _node(g, aten.sum.dim_IntList, (y, [0]), [8]),
@@ -67,7 +65,7 @@ def _bucket_graph(reach_collective: bool = True) -> fx.GraphModule:
 def test_copy_into_bucket_inductor_counts_extern_and_reduction_sources():
     got = M.graph_copy_bytes(_bucket_graph(), inductor=True)
     assert got["bytes"] == (4 + 8) * 4  # the matmul's and the reduction's outputs; pointwise and constant fuse
-    assert got["ops"] == {"aten.copy_": 4}  # mm_into is no copy
+    assert got["ops"] == {"aten.copy_": 4}  # matmul_into is no copy
 
 
 def test_copy_into_bucket_aot_eager_counts_every_source():
