@@ -1,8 +1,11 @@
 """GPU check: fsdp_pass (Inductor, bf16) against FSDP2 at world size 1 on NCCL, one process.
 
 At world size 1 FSDP2 still copies parameters in and out of its flat buffers every step, while
-fsdp_pass's parameters are views of the (here trivially) gathered bucket. Reports median step
-time, peak CUDA memory and the NCCL/CUDA environment; writes JSON. Runs as
+fsdp_pass's parameters are views of the (here trivially) gathered bucket. First checks numerics:
+one fp32 step of fsdp_pass compiled by Inductor against the same model run eagerly (TF32 off), loss
+and every gradient. Then reports median step time, peak CUDA memory and the NCCL/CUDA environment
+for bf16 mixed precision; writes JSON. One process has no communication to order or overlap: the
+multi-rank schedule is checked on CPU (tests/test_schedule.py) until several GPUs are available. Runs as
 ``torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py`` (see gpu_check.sh);
 ``--device cpu`` runs the same code on gloo for a dry run without a GPU.
 """
@@ -92,6 +95,29 @@ def _measure(name: str, model: nn.Module, args, device: str) -> dict:
             "max_ms": 1e3 * max(times), "peak_bytes": peak, "last_loss": losses[-1]}
 
 
+def _numerics(base: nn.Module, args, device: str) -> dict:
+    """One fp32 forward/backward: fsdp_pass + Inductor against eager, same tokens; worst relative differences."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    losses, grads = [], []
+    for model in (copy.deepcopy(base), torch.compile(copy.deepcopy(base), backend="vescale",
+                                                     options={"compiler": "inductor"})):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([fsdp_pass.state_dict.whole_tensor(p.grad) if hasattr(p.grad, "full_tensor") else p.grad
+                      for p in getattr(model, "_orig_mod", model).parameters()])
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+    return {"loss_rel": rel(losses[1], losses[0]), "grad_rel": max(rel(a, b) for a, b in zip(grads[1], grads[0]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -112,6 +138,9 @@ def main() -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     torch.manual_seed(0)
     base = Model(args.vocab, args.dim, args.layers, args.heads).to(device)
+    numerics = _numerics(base, args, device)
+    print(f"Inductor vs eager, fp32, one step: loss rel diff {numerics['loss_rel']:.2e}, "
+          f"worst gradient rel diff {numerics['grad_rel']:.2e} (ok below 1e-4)")
     results = []
     fsdp2 = _fsdp2(copy.deepcopy(base), device)
     results.append(_measure("FSDP2 eager (bf16)", fsdp2, args, device))
@@ -129,7 +158,7 @@ def main() -> None:
               f"{r['median_ms'] / reference:7.2f} {r['last_loss']:8.4f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=2)
+        json.dump({"args": vars(args), "numerics": numerics, "results": results}, f, indent=2)
     dist.destroy_process_group()
 
 
