@@ -23,8 +23,8 @@ _c10d = torch.ops._c10d_functional
 # Dense blocks (mm weight gradients) and stacked experts computed by bmm, whose gradient is a
 # transposed product (bmm → permute → clone before this pass).
 CONFIGS = {
-    "dense": LlamaConfig(layers=2),
-    "experts": LlamaConfig(layers=2, experts=4, top_k=2, stacked_experts=True, batched_experts=True),
+    "dense": LlamaConfig(layers=1),
+    "experts": LlamaConfig(layers=1, experts=4, top_k=2, stacked_experts=True, batched_experts=True),
 }
 
 
