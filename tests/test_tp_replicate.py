@@ -42,16 +42,16 @@ class BiasedBlock(nn.Module):
 class BiasedModel(nn.Module):
     """A plain stem, two residual blocks of biased linears (tensor parallel) and a plain head.
 
-    The stem comes first on purpose: ``clip_grad_norm_`` hands ``_foreach_norm`` one list of
-    gradients, and when a DTensor gradient leads it DTensor's dispatch runs first and refuses the
-    plain (RaggedShard) gradients that follow; a leading plain gradient lets RaggedShard's
-    dispatch split the list by kind.
+    The blocks are registered first on purpose, so a DTensor parameter leads ``parameters()``: the
+    list ops of ``clip_grad_norm_`` and of the optimizer (``foreach=True``, the GPU default) then go
+    to DTensor's dispatch first, with RaggedShard tensors after ([Note: list ops mixing DTensor and
+    RaggedShard parameters] in runtime/mixed_lists.py).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(BiasedBlock() for _ in range(2))
+        self.stem = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def _mesh():
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)  # as on a GPU
 
 
 def _collectives(gm) -> dict[str, int]:
@@ -169,7 +169,7 @@ def _train(case: str, compiler: str, mesh) -> tuple[dict, nn.Module, torch.optim
         x, y = _batch(case, step)
         loss = _loss(case, compiled(x[rows]), y[rows])
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # below the norm: it clips
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)  # below the norm: it clips
         opt.step()
         opt.zero_grad()
         ref_loss = _loss(case, reference(x), y)

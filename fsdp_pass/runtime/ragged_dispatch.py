@@ -284,7 +284,7 @@ def _run_per_list_entry(call: _OpCall) -> Any:
     ([Note: one kernel per bucket] in runtime/flat_buffers.py)."""
     func, bound = call.func, call.bound
     if _has_dtensor_entries(bound):
-        return _split_off_dtensor_entries(func, bound)
+        return split_off_dtensor_entries(func, bound)
     runs = flat_buffers.plan_runs(func, bound) if flat_buffers.is_coalescible(func) else None
     joined = () if runs is None else runs.joined  # entries whose layout their slot already fixes
     lists, scalars = [], []
@@ -315,13 +315,19 @@ def _run_per_list_entry(call: _OpCall) -> Any:
     ])
 
 
+def bind_arguments(func, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``func``'s arguments by schema name, defaults filled in."""
+    return _OpCall(func, args, kwargs).bound
+
+
 def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
     return any(isinstance(v, (list, tuple)) and any(isinstance(t, DTensor) for t in v) for v in bound.values())
 
 
-def _split_off_dtensor_entries(func, bound: dict[str, Any]) -> Any:
+def split_off_dtensor_entries(func, bound: dict[str, Any]) -> Any:
     """A list op over RaggedShard parameters and tensor-parallel DTensor ones (whose local tensors are
-    RaggedShard): one call for each kind, since DTensor dispatch only takes DTensors.
+    RaggedShard): one call for each kind, since DTensor dispatch only takes DTensors ([Note: list ops
+    mixing DTensor and RaggedShard parameters] in runtime/mixed_lists.py).
 
     ``clip_grad_norm_`` and optimizers group gradients by device and dtype only, so the kinds mix.
     A 0-dim DTensor operand (a total norm) joins the non-DTensor call as its value.

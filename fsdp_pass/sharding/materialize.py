@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..runtime.dbuffer import DBuffer, is_sharded
 from ..runtime.eager import reduce_eager_gradient
 from ..runtime.list_kernels import install_list_kernels_for_sharded_parameters
+from ..runtime.mixed_lists import install_mixed_list_handlers
 from ..runtime.sync_check import install_plain_gradient_check
 from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import ragged_part
@@ -74,6 +75,8 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     """Allocate one DBuffer per plan, fill it from the parameters' values and swap the parameters in."""
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
     install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
+    if any(isinstance(p, DTensor) for plan in plans for p in plan.params.values()):
+        install_mixed_list_handlers()  # [Note: list ops mixing DTensor and RaggedShard parameters]
     buffers: list[DBuffer] = []
     for plan in plans:
         layout, by_name = plan.layout, plan.params
