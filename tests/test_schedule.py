@@ -11,7 +11,7 @@ import torch.fx as fx
 import fsdp_pass.runtime.matmul_into  # noqa: F401  (registers torch.ops.fsdp_pass.matmul_into)
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.backend import records
-from fsdp_pass.testing.models import MLP
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss
 
 _c10d = torch.ops._c10d_functional
 # Matmuls; in backward graphs weight gradients are matmuls written into the bucket gradient
@@ -55,6 +55,15 @@ def _check_backward(bw: fx.GraphModule) -> None:
         assert pos[compute_next] < pos[_wait(scatters[k])] < pos[scatters[k + 1]]
 
 
+def _check_first_backward_gather(bw: fx.GraphModule) -> None:
+    """Resharded after forward, the first bucket is gathered again before any backward compute runs:
+    the output layer's weight-gradient matmul, first in a llama's backward, does not read it and hides it."""
+    pos = _position(bw)
+    gathers = _nodes(bw, _c10d.all_gather_into_tensor.default)
+    first_compute = min(pos[n] for n in bw.graph.nodes if n.target in _COMPUTE)
+    assert gathers and pos[gathers[0]] < first_compute, "the backward's first all_gather waits behind compute"
+
+
 def _max_in_flight_gathered_bytes(gm: fx.GraphModule) -> int:
     """Most bytes of gathered buckets issued and not yet waited on, at any point of the graph order."""
     in_flight, worst = {}, 0
@@ -82,6 +91,14 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
                            r"extern_kernels\.addmm)(?:\.default)?\(", code, re.M)
         assert calls[:4] == ["all_gather_into_tensor", "all_gather_into_tensor", "wait_tensor",
                              "extern_kernels.addmm"], calls
+
+    torch._dynamo.reset()
+    before = set(map(id, records()))
+    model = init_std(Llama(LlamaConfig(layers=1)))
+    tokens = torch.randint(0, 61, (2, 8))
+    lm_loss(torch.compile(model, backend="vescale", options={"compiler": compiler})(tokens), tokens).backward()
+    (record,) = [r for r in records() if id(r) not in before]
+    _check_first_backward_gather(record.modules["backward"])
 
     # A bound below two buckets disables prefetch wherever it would exceed it.
     torch._dynamo.reset()

@@ -4,9 +4,10 @@ Reshard: without tags the partitioner saves views of every gathered bucket for b
 all unsharded parameters alive until backward (ZeRO-2 memory). Tagging the gather chains
 ``MUST_RECOMPUTE`` makes the forward save only the shards; backward gathers again.
 
-Overlap: in each forward/backward graph, every all_gather is issued ``prefetch`` buckets ahead (before
-the wait of the bucket ``prefetch`` places earlier, so it runs while that bucket computes), unless the
-gathered buffers in flight would exceed ``max_inflight_bytes``; every reduce_scatter stays right
+Overlap: in each forward/backward graph, the first ``prefetch`` all_gathers are issued before any
+compute, and every later one ``prefetch`` buckets ahead (before the wait of the bucket ``prefetch``
+places earlier, so it runs while that bucket computes), unless the gathered buffers in flight would
+exceed ``max_inflight_bytes``; every reduce_scatter stays right
 after its bucket's last gradient and its wait sinks to just before the next bucket's
 reduce_scatter, so it overlaps that bucket's backward compute. The functional
 collectives run asynchronously until their ``wait_tensor``: the graph order is the schedule.
@@ -90,6 +91,18 @@ def _inputs_to_move(node: fx.Node) -> list[fx.Node]:
 
 def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: int | None) -> None:
     gathers = list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    # The first gathers have no earlier bucket to hide behind: issue them before any compute. In a
+    # backward graph the first one (the output layer's weights, gathered again after resharding)
+    # otherwise waits behind that layer's weight-gradient matmul, which does not read it.
+    anchor = list(graph.find_nodes(op="placeholder"))[-1]
+    if max_inflight_bytes is None or sum(_nbytes(g) for g in gathers[:prefetch]) <= max_inflight_bytes:
+        for node in gathers[:prefetch]:
+            deps = _inputs_to_move(node)
+            if isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder" and not deps:
+                continue  # its input is computed in this graph
+            for n in (*deps, node):
+                anchor.append(n)
+                anchor = n
     for k in range(prefetch, len(gathers)):
         node, earlier = gathers[k], gathers[k - prefetch]
         earlier_wait = _wait_of(earlier)
