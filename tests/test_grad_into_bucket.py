@@ -3,7 +3,6 @@ bucket] in passes/grad_into_bucket.py): no ``cat`` before the reduce-scatter, bi
 
 from __future__ import annotations
 
-import copy
 from unittest import mock
 
 import pytest
@@ -98,8 +97,9 @@ def _gradient_shards(config: LlamaConfig, compiler: str, rewrite: bool) -> tuple
     return [p.grad.clone() for p in model.parameters()], {"graph": backward, "copies": copies}
 
 
-def _bitwise_and_no_cat(rank: int, world: int, compiler: str) -> None:
-    for name, config in CONFIGS.items():
+def _bitwise_and_no_cat(rank: int, world: int, compiler: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        config = CONFIGS[name]
         reference, _ = _gradient_shards(config, compiler, rewrite=False)
         grads, found = _gradient_shards(config, compiler, rewrite=True)
         for i, (a, b) in enumerate(zip(grads, reference)):
@@ -121,24 +121,11 @@ def _bitwise_and_no_cat(rank: int, world: int, compiler: str) -> None:
             assert all("reduction" in why for why in found["copies"].values()), found["copies"]
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_gradients_written_into_buckets_bitwise(compiler):
-    run_distributed(_bitwise_and_no_cat, 2, compiler)
-
-
-def _explain_names_copies(rank: int, world: int) -> None:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = init_std(Llama(LlamaConfig(layers=1)))
-    compiled = torch.compile(model, backend="vescale", options={"compiler": "inductor"})
-    tokens = torch.randint(0, 61, (2, 8))
-    lm_loss(compiled(tokens), tokens).backward()
-    text = str(fsdp_pass.explain(compiled, print_output=False))
-    assert "gradient copied into bucket" in text and "layers.0.attn_norm.weight" in text, text
-
-
-def test_explain_names_gradients_still_copied():
-    run_distributed(_explain_names_copies, 2)
+# Under Inductor the experts model alone: its attention and router weights are the dense case.
+@pytest.mark.parametrize("compiler, names", [("aot_eager", ("dense", "experts")), ("inductor", ("experts",))],
+                         ids=["aot_eager", "inductor"])
+def test_gradients_written_into_buckets_bitwise(compiler, names):
+    run_distributed(_bitwise_and_no_cat, 2, compiler, names)
 
 
 class _ConvThenLinear(torch.nn.Module):
