@@ -41,6 +41,7 @@ _aten = torch.ops.aten
 _FLATTENING = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 # Ops that reorder a tensor's elements (a clone only copies them).
 _REORDERING = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.clone.default}
+_REARRANGING = _FLATTENING | _REORDERING  # what lies between a producer and its flat segment
 _MATMULS = {_aten.mm.default: 2, _aten.bmm.default: 3}
 _REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.amax.default, _aten.amin.default}
 # Ops Inductor runs as library calls into buffers of their own (and matmuls this pass could not rewrite).
@@ -74,7 +75,7 @@ def _in_place_producer(segment: fx.Node) -> _InPlace | None:
     ``permute``) and clones, each node used once; None for any other producer."""
     chain, cur = [], segment
     while (cur.op == "call_function" and _sole_user(cur) and isinstance(cur.args[0], fx.Node)
-           and (cur.target in _REORDERING or cur.target in _FLATTENING)):
+           and cur.target in _REARRANGING):
         chain.append(cur)
         cur = cur.args[0]
     product = _val(cur)
@@ -114,7 +115,7 @@ def _in_place_producer(segment: fx.Node) -> _InPlace | None:
 def _producer(node: fx.Node) -> fx.Node:
     """The op that computes ``node``'s values: views and reorders skipped, a multi-output op's item
     (``convolution_backward``'s weight gradient) traced to the op."""
-    while node.op == "call_function" and (node.target in _FLATTENING | _REORDERING or node.target is operator.getitem):
+    while node.op == "call_function" and (node.target in _REARRANGING or node.target is operator.getitem):
         node = node.args[0]
     return node
 

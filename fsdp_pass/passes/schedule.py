@@ -89,6 +89,15 @@ def _inputs_to_move(node: fx.Node) -> list[fx.Node]:
     return []
 
 
+def _movable(node: fx.Node) -> list[fx.Node] | None:
+    """What moves with an all_gather issued earlier (its cast, then itself); None when its input is
+    computed in this graph."""
+    deps = _inputs_to_move(node)
+    if isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder" and not deps:
+        return None
+    return [*deps, node]
+
+
 def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: int | None) -> None:
     gathers = list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
     # The first gathers have no earlier bucket to hide behind: issue them before any compute. In a
@@ -97,10 +106,7 @@ def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: in
     anchor = list(graph.find_nodes(op="placeholder"))[-1]
     if max_inflight_bytes is None or sum(_nbytes(g) for g in gathers[:prefetch]) <= max_inflight_bytes:
         for node in gathers[:prefetch]:
-            deps = _inputs_to_move(node)
-            if isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder" and not deps:
-                continue  # its input is computed in this graph
-            for n in (*deps, node):
+            for n in _movable(node) or ():
                 anchor.append(n)
                 anchor = n
     for k in range(prefetch, len(gathers)):
@@ -111,10 +117,7 @@ def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: in
         in_flight = sum(_nbytes(g) for g in gathers[k - prefetch:k + 1])
         if max_inflight_bytes is not None and in_flight > max_inflight_bytes:
             continue  # prefetching would hold too many gathered buckets at once
-        deps = _inputs_to_move(node)
-        if isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder" and not deps:
-            continue
-        for n in (*deps, node):
+        for n in _movable(node) or ():
             earlier_wait.prepend(n)
 
 
