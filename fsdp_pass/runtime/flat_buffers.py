@@ -56,7 +56,7 @@ import torch
 
 from .ragged_tensor import RaggedShardTensor
 
-__all__ = ["BucketSlots", "Runs", "bucket_slots", "is_coalescible", "plan_runs", "register", "slot_of"]
+__all__ = ["FUSED_OPTIMIZER_OPS", "BucketSlots", "Runs", "bucket_slots", "is_coalescible", "plan_runs", "register", "slot_of"]
 
 
 class BucketSlots:
@@ -190,10 +190,10 @@ _ELEMENTWISE = (
     "expm1 floor frac lerp lgamma log log10 log1p log2 maximum minimum mul neg pow reciprocal round rsqrt "
     "sigmoid sign sin sinh sqrt sub tan tanh trunc zero"
 ).split()
-_COALESCIBLE = frozenset(
-    [f"aten::_foreach_{op}{inplace}" for op in _ELEMENTWISE for inplace in ("", "_")]
-    + ["aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"]
-)
+# The fused optimizer kernels RaggedShard dispatch runs per list entry (and coalesces).
+FUSED_OPTIMIZER_OPS = frozenset({"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_"})
+_COALESCIBLE = frozenset([f"aten::_foreach_{op}{inplace}" for op in _ELEMENTWISE for inplace in ("", "_")]) \
+    | FUSED_OPTIMIZER_OPS
 
 
 def is_coalescible(func) -> bool:

@@ -24,20 +24,22 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .ragged_dispatch import bind_arguments, split_off_dtensor_entries
+from .ragged_dispatch import bind_arguments, is_list_op, split_off_dtensor_entries
 
 __all__ = ["install_mixed_list_handlers"]
 
-_FUSED_OPTIMIZERS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 _installed: list[Any] = []  # the list-op overloads handled (filled once per process)
 
 
 def _list_ops() -> list[Any]:
+    """Every overload RaggedShard dispatch runs as a list op (``ragged_dispatch.is_list_op``), from the
+    registered schemas: ``dir(torch.ops.aten)`` lists only the ops resolved so far."""
     ops = []
-    for name in dir(torch.ops.aten):
-        if name.startswith("_foreach_") or name in _FUSED_OPTIMIZERS:
-            packet = getattr(torch.ops.aten, name)
-            ops += [getattr(packet, overload) for overload in packet.overloads()]
+    for schema in torch._C._jit_get_all_schemas():
+        if schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
+            op = getattr(getattr(torch.ops.aten, schema.name[len("aten::"):]), schema.overload_name or "default")
+            if is_list_op(op):
+                ops.append(op)
     return ops
 
 

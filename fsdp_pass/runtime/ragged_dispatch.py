@@ -134,7 +134,6 @@ _LAYOUT_KEEPING_OPS = {
     aten.detach, aten.zero_, aten.fill_, aten._to_copy,
 }  # fmt: skip
 
-_FUSED_OPTIMIZER_OPS = {"aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fused_sgd_"}
 
 
 def _is_model_code_on_fake_pieces(call: _OpCall) -> bool:
@@ -168,9 +167,14 @@ def _keeps_layout(call: _OpCall) -> bool:
     return torch.Tag.pointwise in call.func.tags or call.func.overloadpacket in _LAYOUT_KEEPING_OPS
 
 
+def is_list_op(func) -> bool:
+    """``_foreach_*`` and fused optimizer ops: one tensor per list entry, entry ``i`` of every list together."""
+    name = func._schema.name
+    return name.startswith("aten::_foreach_") or name in flat_buffers.FUSED_OPTIMIZER_OPS
+
+
 def _is_per_tensor_list_op(call: _OpCall) -> bool:
-    name = call.func._schema.name
-    return name.startswith("aten::_foreach_") or name in _FUSED_OPTIMIZER_OPS
+    return is_list_op(call.func)
 
 
 # ---------------------------------------------------------------------------------------------
