@@ -15,6 +15,7 @@ from .sharding.fp8_select import lcm_blocks, plan_fp8
 from .sharding.materialize import shard_parameters
 from .sharding.meta_init import MetaInit
 from .sharding.mesh_roles import model_mesh_dims, resolve_mesh
+from .runtime.uninitialized import check_meta_buffers_before_forward
 
 __all__ = ["fully_shard"]
 
@@ -30,6 +31,7 @@ def fully_shard(
     block_sizes: Mapping[str, Any] | None = None,
     align_bytes: int = 16,
     fp8_all_gather: bool | Mapping[str, Any] | None = None,
+    init: str = "replay",
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
@@ -44,7 +46,10 @@ def fully_shard(
     meta-device init order] in :mod:`fsdp_pass.sharding.meta_init`): ``reset_parameters()``,
     a no-argument ``init_weights()``, and Hugging Face ``_init_weights``. Parameters no init
     reaches are left for a checkpoint (``dcp.load``, ``set_full_state_dict``); using one before
-    that raises an error naming it ([Note: uninitialized shards]).
+    that raises an error naming it ([Note: uninitialized shards]). Non-persistent buffers no init
+    computes stay on the meta device for FSDP2's flow, ``model.to_empty(device=...)`` and the
+    model's own init (``init_weights()``), which sharded parameters support: in-place random inits
+    draw what one process draws ([Note: buffers left on the meta device]).
 
     Args:
         module: the model.
@@ -59,7 +64,12 @@ def fully_shard(
         fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}``: the layer
             weights get tile-row blocks and buckets of their own, which the compiled graph gathers as
             FP8 codes and block scales (see ``docs/fp8.md``).
+        init: for a meta-device model, ``"replay"`` (default) runs the model's own init into the
+            shards as above; ``"skip"`` runs nothing, leaving every parameter and buffer to
+            ``to_empty`` + the model's init (or a checkpoint).
     """
+    if init not in ("replay", "skip"):
+        raise ValueError(f"fully_shard's init must be 'replay' or 'skip', got {init!r}")
     named = list(module.named_parameters(remove_duplicate=True))
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
                                  model_dims=model_mesh_dims(named))
@@ -67,15 +77,17 @@ def fully_shard(
     fp8 = plan_fp8(named, Fp8Options.parse(fp8_all_gather, "fully_shard's fp8_all_gather"), "fully_shard's fp8_all_gather")
     check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
-    init = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type))
-    init.prepare_buffers()  # before sharding: its errors leave the module as is
+    meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
+    meta.prepare_buffers()
     try:
         shard_parameters(named, sharding_mesh,
                          ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes),
                          lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     except BaseException:
-        init.restore_buffers()
+        meta.restore_buffers()
         raise
     fp8.record_left_out(named)
-    init.run()
+    meta.run()
+    if meta.left_on_meta:
+        check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)
     return module

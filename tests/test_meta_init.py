@@ -116,7 +116,14 @@ class Rotary(nn.Module):
 class RotaryInInit(nn.Module):
     def __init__(self, dim: int = 8):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.dim = dim
+        self.register_buffer("inv_freq", self.compute(), persistent=False)
+
+    def compute(self) -> torch.Tensor:
+        return 1.0 / (10000 ** (torch.arange(0, self.dim, 2).float() / self.dim))
+
+    def forward(self, x):
+        return x * self.inv_freq.sum()
 
 
 def test_buffers_are_materialized_and_computed():
@@ -128,15 +135,48 @@ def test_buffers_are_materialized_and_computed():
         assert b.device.type == "cpu" and torch.equal(b, ref), name
 
 
-def test_non_persistent_buffer_no_init_computes_is_refused_untouched():
+def test_buffer_no_init_computes_waits_on_meta_for_to_empty_and_the_models_init():
+    """FSDP2's flow: shard on meta, ``to_empty``, then the model's own init computes the buffer."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), RotaryInInit())
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 8), RotaryInInit())
-    with pytest.raises(ValueError, match=r"non-persistent buffers \['1.inv_freq'\].*reset_parameters\(\)"):
-        fsdp_pass.fully_shard(model)
-    assert model[1].inv_freq.is_meta and model[0].weight.is_meta
-    model[1] = RotaryInInit()  # the fix the message gives: build that module on a real device
     fsdp_pass.fully_shard(model)
-    assert torch.equal(model[1].inv_freq, RotaryInInit().inv_freq)
+    assert model[1].inv_freq.is_meta and not model[0].weight.is_meta
+    x = torch.randn(2, 8)
+    for call in (model, torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})):
+        with pytest.raises(RuntimeError, match=r"buffers \['1.inv_freq'\] are still on the meta device.*to_empty"):
+            call(x)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # the model's own init
+        model[1].inv_freq.copy_(model[1].compute())
+        model[0].weight.copy_(reference[0].weight)
+        model[0].bias.copy_(reference[0].bias)
+    assert torch.equal(model(x), reference(x))
+
+
+def test_init_skip_leaves_everything_to_the_models_init():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), Rotary())
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), Rotary())
+    with pytest.raises(ValueError, match="init must be 'replay' or 'skip'"):
+        fsdp_pass.fully_shard(model, init="none")
+    state = torch.get_rng_state()
+    fsdp_pass.fully_shard(model, init="skip")
+    assert torch.equal(state, torch.get_rng_state())  # nothing replayed, nothing drawn
+    assert all(b.is_meta for b in model.buffers())
+    with pytest.raises(RuntimeError, match=r"buffers \['1.inv_freq', '1.steps'\] are still on the meta device"):
+        model(torch.ones(2, 8))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.full_tensor(), ref), name
+    for (name, b), ref in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, ref), name
 
 
 class ZeroOutput(nn.Module):

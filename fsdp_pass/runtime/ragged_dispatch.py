@@ -5,8 +5,9 @@ Each rank holds one flat range of a tensor, so an op runs on the pieces only whe
 * elementwise ops (``torch.Tag.pointwise``, in-place and ``out=`` forms, ``*_like``, ``clone``,
   ``detach``, ``zero_``, ``fill_``, ``copy_``, ``_to_copy``), ``_foreach_*`` ops and the fused
   optimizer kernels, between tensors of one layout and Python scalars or 0-dim plain tensors;
-* full reductions (vector norms, ``sum``, ``max``/``min``, ``dot``): reduce the piece, then
-  all-reduce over the mesh dim; the result is a plain, replicated tensor.
+* full reductions (vector norms, ``sum``, ``max``/``min``, ``any``/``all``, ``dot``): reduce the piece, then
+  all-reduce over the mesh dim; the result is a plain, replicated tensor;
+* in-place random fills (``normal_``, ``uniform_``, ...): the whole tensor is drawn, the piece kept.
 
 Everything else raises rather than compute something silently wrong on a piece. :func:`dispatch`
 tries its cases in order; the first that applies handles the op.
@@ -536,9 +537,37 @@ def _reduction_identity(dtype: torch.dtype, op: str) -> float | int | bool:
     return info.min if op == "max" else info.max
 
 
+def _any_or_all(call: _OpCall) -> torch.Tensor:
+    """``any``/``all`` over the whole tensor (``trunc_normal_``'s rejection loop asks ``mask.any()``)."""
+    _require_full_reduction(call)
+    x = call.bound["self"]
+    is_any = call.func.overloadpacket is aten.any
+    local = (aten.any.default if is_any else aten.all.default)(x._local).to(torch.int32)
+    verdict = collectives.all_reduce_(local, x._spec.group, "max" if is_any else "min")
+    return _keep_dims(verdict.to(torch.bool), x, call.bound.get("keepdim", False))
+
+
 def _dot(call: _OpCall) -> torch.Tensor:
     spec = _shared_spec(call.func, call.args[:2])
     return collectives.all_reduce_(call.run_on_pieces(), spec.group, "sum")
+
+
+def _fill_randomly(call: _OpCall) -> RaggedShardTensor:
+    """``normal_``, ``uniform_`` and the other in-place random fills (``torch.nn.init``'s building blocks).
+
+    Every rank draws the whole tensor from the same generator and keeps its piece, so each element
+    gets the value one process's init of the whole tensor gives it, and the generator ends in the
+    same state on every rank as in one process. Costs one whole tensor of memory while it runs.
+    """
+    dst = call.args[0]
+    if not isinstance(dst, RaggedShardTensor) or any(isinstance(t, RaggedShardTensor) for t in call.leaves[1:]):
+        raise _unsupported(call)
+    whole = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local.device)
+    call.func(whole, *call.args[1:], **call.kwargs)
+    start, end = dst._spec.local_range
+    aten.copy_.default(dst._local, whole.view(-1)[start:end])
+    call.count_writes()
+    return dst
 
 
 def _detach(call: _OpCall) -> RaggedShardTensor:
@@ -561,4 +590,10 @@ _SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {
     aten.amin.default: _extremum,
     aten.dot.default: _dot,
     aten.vdot.default: _dot,
+    aten.any.default: _any_or_all,
+    aten.all.default: _any_or_all,
+    **{getattr(packet, overload): _fill_randomly
+       for packet in (aten.normal_, aten.uniform_, aten.bernoulli_, aten.exponential_, aten.log_normal_,
+                      aten.cauchy_, aten.geometric_, aten.random_)
+       for overload in packet.overloads()},
 }

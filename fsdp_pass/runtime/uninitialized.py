@@ -42,7 +42,8 @@ import torch
 
 from . import collectives
 
-__all__ = ["any_pending", "check_buckets", "check_gathered", "mark_initialized", "mark_pending", "pending_names"]
+__all__ = ["any_pending", "check_buckets", "check_gathered", "check_meta_buffers_before_forward", "mark_initialized",
+           "mark_pending", "pending_names"]
 
 # DBuffer → names of its parameters still holding the NaN placeholder (entries dropped when empty).
 _pending: "weakref.WeakKeyDictionary[object, set[str]]" = weakref.WeakKeyDictionary()
@@ -119,3 +120,32 @@ def _settle(buf, names: set[str], bad: set[str]) -> None:
             f"checkpoint first (dcp.load(model.state_dict(), storage_reader=...) or fsdp_pass.set_full_state_dict), "
             f"or write their values under torch.no_grad() (e.g. param.fill_(1.0)) before the forward"
         )
+
+
+# [Note: buffers left on the meta device]
+# A non-persistent buffer that fully_shard's replayed init cannot compute (torchtitan computes its
+# rope cache in ``init_states``), and every buffer under ``init="skip"``, stays on the meta device
+# for the FSDP2 flow: ``model.to_empty(device=...)`` allocates it, the model's own init fills it.
+# A forward pre-hook on the sharded module names what is still on meta until none is; then it
+# removes itself. It runs outside Dynamo, so compiled and eager calls get the same message.
+
+
+def check_meta_buffers_before_forward(module: torch.nn.Module, left: list[tuple[torch.nn.Module, str]],
+                                      names: dict[int, str]) -> None:
+    """Register the pre-hook of [Note: buffers left on the meta device] for ``left`` ((module, buffer name) pairs)."""
+    handle = None
+
+    @torch._dynamo.disable
+    def hook(*_):
+        still = [f"{names[id(m)] + '.' if names[id(m)] else ''}{n}" for m, n in left
+                 if m._buffers.get(n) is not None and m._buffers[n].is_meta]
+        if not still:
+            handle.remove()
+            return
+        raise RuntimeError(
+            f"buffers {still[:8]}{' and more' if len(still) > 8 else ''} are still on the meta device: fully_shard "
+            f"left them for the model's own init (no reset_parameters() computes them, or init='skip'). Call "
+            f"model.to_empty(device=...) and then the model's init (e.g. model.init_weights()) before the forward"
+        )
+
+    handle = module.register_forward_pre_hook(hook)

@@ -29,6 +29,7 @@ from ..runtime.dbuffer import DBuffer, is_sharded
 from ..runtime.eager import reduce_eager_gradient
 from ..runtime.list_kernels import install_list_kernels_for_sharded_parameters
 from ..runtime.mixed_lists import install_mixed_list_handlers
+from ..runtime.module_apply import install_module_apply
 from ..runtime.sync_check import install_plain_gradient_check
 from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import ragged_part
@@ -75,6 +76,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     """Allocate one DBuffer per plan, fill it from the parameters' values and swap the parameters in."""
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
     install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
+    install_module_apply()  # [Note: Module._apply on sharded parameters]
     if any(isinstance(p, DTensor) for plan in plans for p in plan.params.values()):
         install_mixed_list_handlers()  # [Note: list ops mixing DTensor and RaggedShard parameters]
     buffers: list[DBuffer] = []

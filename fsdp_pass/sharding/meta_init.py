@@ -37,9 +37,12 @@ A parameter no init reaches is left for a checkpoint ([Note: uninitialized shard
 is not called: it needs every full tensor at once.
 
 Buffers are allocated (floating ones filled with NaN) and initialized by the same calls, first on
-their own, before anything is sharded, under a forked RNG: a non-persistent buffer (rotary
-``inv_freq``) that no init computes cannot come from a checkpoint either, so ``fully_shard``
-refuses the model then, untouched.
+their own, before anything is sharded, under a forked RNG. A non-persistent buffer (rotary
+``inv_freq``, torchtitan's rope cache) that no replayed init computes cannot come from a checkpoint
+either: it stays on the meta device for the user's ``model.to_empty(device=...)`` and the model's
+own init (FSDP2's flow), and a forward before that raises naming it ([Note: buffers left on the
+meta device] in :mod:`fsdp_pass.runtime.uninitialized`). With ``fully_shard(..., init="skip")``
+nothing is replayed: every parameter waits as NaN and every buffer on meta for that flow.
 """
 
 from __future__ import annotations
@@ -125,8 +128,8 @@ class MetaInit:
         device: where shards, buffers and temporaries live.
     """
 
-    def __init__(self, root: nn.Module, meta_ids: set[int], device: torch.device) -> None:
-        self.root, self.meta_ids, self.device = root, meta_ids, device
+    def __init__(self, root: nn.Module, meta_ids: set[int], device: torch.device, replay: bool = True) -> None:
+        self.root, self.meta_ids, self.device, self.replay = root, meta_ids, device, replay
         self.names = {id(m): n for n, m in reversed(list(root.named_modules(remove_duplicate=False)))}
         self.first_owner: dict[int, nn.Module] = {}
         for m in root.modules():
@@ -135,8 +138,9 @@ class MetaInit:
                     self.first_owner.setdefault(id(p), m)
         self.buffer_owners = {id(m) for m in root.modules()
                               if any(b is not None and b.is_meta for b in m._buffers.values())}
-        self.steps = self._plan() if (meta_ids or self.buffer_owners) else []
+        self.steps = self._plan() if replay and (meta_ids or self.buffer_owners) else []
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = []
+        self.left_on_meta: list[tuple[nn.Module, str]] = []  # buffers no replayed init computes
 
     # -- planning ------------------------------------------------------------------------------
     def _has_meta(self, m: nn.Module) -> bool:
@@ -214,8 +218,12 @@ class MetaInit:
                 owner._initialize_weights(step.module)
 
     def prepare_buffers(self) -> None:
-        """Allocate the meta buffers and compute them (before sharding); raise, restoring them, if a
-        non-persistent one stays unset."""
+        """Allocate the meta buffers and compute them (before sharding); a non-persistent one that stays
+        unset goes back to the meta device, for the user's ``to_empty`` and init (:attr:`left_on_meta`)."""
+        if not self.replay:
+            self.left_on_meta = [(m, n) for m in self.root.modules() for n, b in m._buffers.items()
+                                 if b is not None and b.is_meta]
+            return
         made: dict[int, torch.Tensor] = {}
         for m in self.root.modules():
             for n, b in list(m._buffers.items()):
@@ -239,17 +247,11 @@ class MetaInit:
         for step in self.steps:  # the real pass runs these again
             step.module.__dict__.pop("_is_hf_initialized", None)
             step.drew_random = False
-        unset = [f"{self.names[id(m)] + '.' if self.names[id(m)] else ''}{n}" for m, n, _, new, v in self._buffers
+        unset = [(m, n, old) for m, n, old, new, v in self._buffers
                  if n in m._non_persistent_buffers_set and m._buffers[n] is new and new._version == v]
-        if unset:
-            self.restore_buffers()
-            raise ValueError(
-                f"cannot compute the non-persistent buffers {unset} of a model built on the meta device: their "
-                f"module computes them in __init__, which fully_shard cannot run again, and checkpoints do not hold "
-                f"them. Give their module a reset_parameters() that recomputes them in place (e.g. "
-                f"self.inv_freq.copy_(...)), or build those modules on a real device (with torch.device('cpu'): ...) "
-                f"and assign them to the model before fully_shard"
-            )
+        for m, n, old in unset:
+            m._buffers[n] = old
+            self.left_on_meta.append((m, n))
 
     def restore_buffers(self) -> None:
         for m, n, old, _, _ in reversed(self._buffers):
@@ -261,6 +263,8 @@ class MetaInit:
         params = {id(p): (n, p) for n, p in self.root.named_parameters() if id(p) in self.meta_ids}
         for _, p in params.values():
             mark_pending(*bucket_of(p))
+        if not self.replay:
+            return sorted(n for n, _ in params.values())
         self._warn_constructor_code()
         left = dict(params)
         for step in self.steps:
