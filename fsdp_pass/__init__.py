@@ -9,7 +9,7 @@ from . import backend as _backend  # registers the "vescale" backend
 from .blocks import set_block
 from .explain import explain
 from .fully_shard import fully_shard
-from .gradient_sync import no_sync, reduce_gradients, set_requires_gradient_sync
+from .gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor, set_requires_gradient_sync
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
@@ -31,6 +31,7 @@ __all__ = [
     "reduce_gradients",
     "set_block",
     "set_full_state_dict",
+    "set_gradient_divide_factor",
     "set_requires_gradient_sync",
     "unshard",
 ]

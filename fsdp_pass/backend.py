@@ -142,6 +142,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             return eager_graph(*args)
         if uninitialized.any_pending():  # [Note: uninitialized shards]
             uninitialized.check_buckets(buffers)
+        _check_divide_factors(buffers, rewritten.configs)
         shards = [b.shard for b in buffers]
         rest_args = (a for i, a in enumerate(args) if i not in dropped)
         trainable = [(buffers[i], config) for i, config in accumulating.configs.items()]
@@ -151,6 +152,17 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         return compiled(*shards, *rest_args)
 
     return run
+
+
+def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:
+    """A compiled graph divides gradients by a constant: refuse to run once the bucket's factor changed."""
+    for buf, config in zip(buffers, configs):
+        if buf.grad_divisor != config.grad_divisor:
+            raise RuntimeError(
+                f"bucket {buf.index} ({buf.names[0]!r}, ...) now divides gradients by {buf.grad_divisor}, but its "
+                f"compiled graph divides by {config.grad_divisor}; call fsdp_pass.set_gradient_divide_factor before "
+                f"the first compiled call (or torch._dynamo.reset() to compile again)"
+            )
 
 
 class _AccumulatingVariant:

@@ -1,10 +1,12 @@
-"""Gradient accumulation without communication: ``no_sync`` / ``set_requires_gradient_sync``.
+"""Gradient sync settings: ``no_sync`` / ``set_requires_gradient_sync`` and ``set_gradient_divide_factor``.
 
 Like FSDP2's ``set_requires_gradient_sync(False)`` and DDP's ``no_sync()``: the compiled backward of
 a micro-batch run while a model does not sync reduce-scatters nothing; each rank sums its own
 unsharded gradient per bucket, and the first backward after syncing is switched back on
 reduce-scatters that sum once per bucket. See [Note: gradient accumulation without sync]
-(runtime/dbuffer.py).
+(runtime/dbuffer.py). Like FSDP2's ``set_gradient_divide_factor``: what the summed gradient is
+divided by. Both may be set before the backend has sharded the model ([Note: settings recorded
+before sharding] in runtime/bucket_settings.py).
 """
 
 from __future__ import annotations
@@ -12,20 +14,19 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 import torch.nn as nn
 
-from .runtime.dbuffer import DBuffer, buffers_of, is_unsharded
+from .options import check_divide_factor
+from .runtime import bucket_settings
+from .runtime.dbuffer import DBuffer, bucket_of, buffers_of, is_sharded, is_unsharded
 
-__all__ = ["no_sync", "reduce_gradients", "set_requires_gradient_sync"]
+__all__ = ["no_sync", "reduce_gradients", "set_gradient_divide_factor", "set_requires_gradient_sync"]
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:
     """The DBuffers holding ``model``'s sharded parameters (a compiled module's too: it shares them)."""
-    if any(is_unsharded(p) for p in model.parameters()):
-        raise ValueError(
-            f"{type(model).__name__}'s parameters are inside an fsdp_pass.unshard block, where they are whole "
-            f"tensors with no gradient sync to switch; leave the unshard block first"
-        )
+    _refuse_inside_unshard(model)
     found = buffers_of(model)
     if not found:
         raise ValueError(
@@ -36,17 +37,53 @@ def _buffers(model: nn.Module) -> list[DBuffer]:
     return found
 
 
+def _refuse_inside_unshard(model: nn.Module) -> None:
+    if any(is_unsharded(p) for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__}'s parameters are inside an fsdp_pass.unshard block, where they are whole "
+            f"tensors with no gradient sync to switch; leave the unshard block first"
+        )
+
+
+def _targets(model: nn.Module, call: str) -> tuple[list[DBuffer], list[torch.Tensor]]:
+    """The buckets of ``model``'s sharded parameters, and its parameters the backend has not sharded yet."""
+    _refuse_inside_unshard(model)
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{call}: {type(model).__name__} has no parameters")
+    return buffers_of(model), [p for p in params if not is_sharded(p)]
+
+
+def _set(model: nn.Module, setting: str, value, call: str) -> None:
+    buffers, waiting = _targets(model, call)
+    for buf in buffers:
+        setattr(buf, setting, value)
+    bucket_settings.record(waiting, setting, value)
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """Whether the compiled backward of ``model`` reduce-scatters gradients (True, the default).
 
     With False, each rank accumulates its unsharded gradient per bucket (one gathered-size buffer per
     trainable bucket, in ``reduce_dtype``); the first backward after it is set back to True
     reduce-scatters the sum once per bucket, so ``.grad`` holds what syncing every micro-batch
-    gives. ``model`` is the compiled module or the original one. Eager (uncompiled) calls keep
+    gives. ``model`` is the compiled module or the original one, sharded or not yet (the backend
+    shards at the first call and applies the setting then). Eager (uncompiled) calls keep
     syncing their gradients at once.
     """
-    for buf in _buffers(model):
-        buf.gradient_sync = bool(requires_gradient_sync)
+    _set(model, "gradient_sync", bool(requires_gradient_sync), "set_requires_gradient_sync")
+
+
+def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
+    """Divide ``model``'s gradients, summed over the data-parallel ranks, by ``factor`` (FSDP2's name).
+
+    The default is the data-parallel degree (a mean, like DDP); ``1.0`` gives the sum, for a loss
+    already divided by the global token count (torchtitan). Applies to compiled, eager, ``no_sync``
+    and HSDP reductions. Set it before the first compiled call, or on a model not sharded yet; a
+    graph compiled with another factor refuses to run. Also ``options={"gradient_divide_factor": f}``.
+    """
+    factor = check_divide_factor(factor, "set_gradient_divide_factor's factor")
+    _set(model, "gradient_divide_factor", factor, "set_gradient_divide_factor")
 
 
 @contextlib.contextmanager
@@ -55,17 +92,23 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Forward and backward of a micro-batch belong in the same block. The first backward after the
     block reduce-scatters the accumulated gradients with its own, once per bucket. Re-entrant; the
-    previous state is restored on exit, also when the body raises.
+    previous state is restored on exit, also when the body raises. The model may be sharded by
+    its first compiled call inside the block.
     """
-    buffers = _buffers(model)
+    buffers, waiting = _targets(model, "no_sync")
     before = [buf.gradient_sync for buf in buffers]
-    for buf in buffers:
-        buf.gradient_sync = False
+    waiting_before = [bucket_settings.recorded(p, "gradient_sync", True) for p in waiting]
+    set_requires_gradient_sync(model, False)
     try:
         yield
     finally:
         for buf, state in zip(buffers, before):
             buf.gradient_sync = state
+        for p, state in zip(waiting, waiting_before):
+            if is_sharded(p):  # sharded inside the block
+                bucket_of(p)[0].gradient_sync = state
+            else:
+                bucket_settings.record([p], "gradient_sync", state)
 
 
 def reduce_gradients(model: nn.Module) -> None:

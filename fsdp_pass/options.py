@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -59,6 +60,13 @@ class Fp8Options:
         return cls(tile, patterns["include"], patterns["exclude"])
 
 
+def check_divide_factor(factor: Any, where: str) -> float:
+    """``factor`` as a float, or raise unless it is a positive finite number."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"{where} must be a positive number (1.0: sum, the data-parallel degree: mean), got {factor!r}")
+    return float(factor)
+
+
 @dataclass(frozen=True)
 class Options:
     """Every option the backend accepts (all optional).
@@ -92,6 +100,9 @@ class Options:
             patterns on parameter names): gather the 2-D / stacked 3-D weights of repeated units as
             FP8 codes + one scale per tile (see [Note: FP8 all-gather] in runtime/gather.py and
             docs/fp8.md). Held as an :class:`Fp8Options` (None: off).
+        gradient_divide_factor: divide the gradients summed over the data-parallel ranks by this
+            (default: the data-parallel degree, a mean; 1.0: the sum), as
+            :func:`fsdp_pass.set_gradient_divide_factor`.
     """
 
     mesh: Any = None
@@ -108,9 +119,11 @@ class Options:
     prefetch: int = 1
     max_inflight_bytes: int | None = None
     fp8_all_gather: "Fp8Options | None" = None
+    gradient_divide_factor: float | None = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
-              "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather")
+              "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
+              "gradient_divide_factor")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -138,6 +151,8 @@ class Options:
                 raise ValueError(f"mp_policy {name} must be a floating torch.dtype, got {dtype!r}")
         if made.prefetch < 0:
             raise ValueError(f"options['prefetch'] must be >= 0 buckets, got {made.prefetch}")
+        if made.gradient_divide_factor is not None:
+            check_divide_factor(made.gradient_divide_factor, "options['gradient_divide_factor']")
         if made.bucket_size is not None and made.bucket_size < 1:
             raise ValueError(f"options['bucket_size'] must be a positive element count, got {made.bucket_size}")
         return made

@@ -16,6 +16,7 @@ from typing import Sequence
 from ..blocks import block_size
 from ..options import Options
 from ..runtime.dbuffer import DBuffer, bucket_of, is_unsharded
+from ..runtime.wrapper_check import check_mesh_is_current
 from ..sharding.buckets import ShardingConfig
 from ..sharding.fp8_select import lcm_blocks, plan_fp8
 from ..sharding.materialize import shard_parameters
@@ -48,4 +49,10 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
     new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     fp8.record_left_out(named)
-    return Sharded({s.name: bucket_of(s.param) for s in sites}, new)
+    buckets = {s.name: bucket_of(s.param) for s in sites}
+    for buf, _ in buckets.values():
+        check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
+    if opts.gradient_divide_factor is not None:
+        for buf, _ in buckets.values():
+            buf.gradient_divide_factor = float(opts.gradient_divide_factor)
+    return Sharded(buckets, new)

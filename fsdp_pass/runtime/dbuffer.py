@@ -143,6 +143,9 @@ class DBuffer:
         self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
         self._pending_config: GatherConfig | None = None
         self._flush_queued = False
+        # Reduced gradients are divided by this (None: the data-parallel degree, a mean); see
+        # fsdp_pass.set_gradient_divide_factor. Compiled graphs hold it as a constant.
+        self.gradient_divide_factor: float | None = None
         flat_buffers.register(self.shard, flat_buffers.bucket_slots(self))  # [Note: one kernel per bucket]
 
     # -- geometry ------------------------------------------------------------------------------
@@ -305,6 +308,11 @@ class DBuffer:
             shard_grad.add_(reduced)
         self.attach_grads(shard_grad)
 
+    @property
+    def grad_divisor(self) -> float:
+        """What the summed gradient is divided by: the user's divide factor, else the data-parallel degree."""
+        return self.mesh.divisor if self.gradient_divide_factor is None else self.gradient_divide_factor
+
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
@@ -318,7 +326,7 @@ class DBuffer:
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
         return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group,
-                            m.divisor, self.fp8_gather() if fp8 and self.fp8_tile else None)
+                            self.grad_divisor, self.fp8_gather() if fp8 and self.fp8_tile else None)
 
     def fp8_gather(self) -> Fp8Gather:
         """Every rank's pieces of this FP8 bucket ([Note: FP8 all-gather]): whole panels of ``fp8_tile`` rows."""

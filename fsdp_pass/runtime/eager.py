@@ -16,7 +16,7 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   gathered copy, and backward gathers again where its formulas need the weight.
 * backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
   (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
-  ranks, divides by the data-parallel degree, and adds this rank's piece into the bucket's
+  ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds this rank's piece into the bucket's
   gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
   correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
   once per bucket).
@@ -35,6 +35,7 @@ from . import collectives
 from .dbuffer import DBuffer, bucket_of, is_sharded
 from .ragged_tensor import RaggedShardTensor
 from .uninitialized import check_gathered
+from .wrapper_check import check_mesh_is_current
 
 __all__ = ["drop_gathered", "is_eager_gatherable", "reduce_eager_gradient", "whole_parameter"]
 
@@ -52,6 +53,7 @@ def is_eager_gatherable(t: torch.Tensor) -> bool:
 def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
     """The whole value of sharded parameter ``p``: a view of its bucket, gathered at most once per version."""
     buf, name = bucket_of(p)
+    check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
     key, version = id(buf), buf.shard._version
     entry = _gathered.get(key)
     if entry is not None and entry[0]() is buf and entry[1] == version:
@@ -92,6 +94,6 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     for group in buf.mesh.data_parallel_groups():
         collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
-    piece = (whole[a:b] / buf.mesh.divisor).to(buf.dtype)
+    piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
     buf.attach_grads(buf.gradient_buffer(create=True))
     return buf.ragged(name, piece)

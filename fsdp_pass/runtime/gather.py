@@ -121,7 +121,7 @@ class GatherConfig(NamedTuple):
     shard_group: str | None  # their process group's name (None when shard_world == 1)
     replicate_world: int  # HSDP replicas the gradient is all-reduced over (1: none)
     replicate_group: str | None  # their process group's name (None when replicate_world == 1)
-    grad_divisor: int  # the reduced gradient is divided by this: the data-parallel degree
+    grad_divisor: float  # the reduced gradient is divided by this: the data-parallel degree, or the divide factor
     fp8: Fp8Gather | None = None  # gather as FP8 codes + scales ([Note: FP8 all-gather]); None: param_dtype
 
 
@@ -134,7 +134,8 @@ def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torc
                                                           config.shard_group))
     if config.replicate_world > 1:
         g = _c10d.wait_tensor(_c10d.all_reduce(g, "sum", config.replicate_group))
-    # Average over data-parallel ranks, like DDP and FSDP2.
+    # Average over data-parallel ranks, like DDP and FSDP2 (or FSDP2's set_gradient_divide_factor;
+    # gloo has no PREMUL_SUM, so the division follows the sum on every backend).
     g = g / config.grad_divisor
     return g.to(master_dtype)
 
@@ -195,7 +196,7 @@ def gather_bucket(
     shard_group: str | None,
     replicate_world: int,
     replicate_group: str | None,
-    grad_divisor: int,
+    grad_divisor: float,
     fp8: Fp8Gather | None = None,
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -25,11 +25,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime.bucket_settings import apply_recorded
 from ..runtime.dbuffer import DBuffer, is_sharded
 from ..runtime.eager import reduce_eager_gradient
 from ..runtime.list_kernels import install_list_kernels_for_sharded_parameters
 from ..runtime.mixed_lists import install_mixed_list_handlers
 from ..runtime.module_apply import install_module_apply
+from ..runtime.wrapper_check import install_wrapper_check
 from ..runtime.sync_check import install_plain_gradient_check
 from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import ragged_part
@@ -77,6 +79,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
     install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
     install_module_apply()  # [Note: Module._apply on sharded parameters]
+    install_wrapper_check()  # [Note: wrappers around a sharded model]
     if any(isinstance(p, DTensor) for plan in plans for p in plan.params.values()):
         install_mixed_list_handlers()  # [Note: list ops mixing DTensor and RaggedShard parameters]
     buffers: list[DBuffer] = []
@@ -94,6 +97,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
                 buf.load_full(name, ragged_part(by_name[name]))
         for name in layout.names:
             _swap_into_bucket(buf, name, by_name[name])
+        apply_recorded(buf, [by_name[n] for n in layout.names])  # [Note: settings recorded before sharding]
         if plan.trainable:
             # Hooks live in C++, out of the garbage collector's sight: a strong reference to the
             # buffer there would keep the whole model alive forever.

@@ -1,0 +1,69 @@
+"""Refuse the data-parallel wrappers and stale meshes that would fight a sharded model.
+
+[Note: wrappers around a sharded model]
+fsdp_pass already synchronizes gradients (one reduce-scatter per bucket). Frameworks wrap every
+multi-process model in ``DistributedDataParallel`` unless told otherwise (accelerate's ``prepare``,
+Hugging Face ``Trainer``); DDP (or FSDP1) around RaggedShard parameters fails deep inside its
+parameter broadcast with a message about tensor aliasing or views. Their constructors are
+wrapped, once the first parameters are sharded, to refuse a module holding sharded parameters
+with a message that names the fix.
+
+A model sharded before the process group exists (``fully_shard`` before ``Accelerator()`` or
+``TrainingArguments`` create it) was sharded over a world of one: run on several ranks, every
+rank would train its own copy without any gradient sync. :func:`check_mesh_is_current` refuses
+that at the first compiled or eager use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["check_mesh_is_current", "install_wrapper_check"]
+
+_installed = False
+
+
+def install_wrapper_check() -> None:
+    """Wrap the constructors of DDP and FSDP1 to refuse sharded modules (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
+        wrapper.__init__ = _refusing_sharded_modules(wrapper.__init__, wrapper.__name__)
+    _installed = True
+
+
+def _refusing_sharded_modules(init, wrapper_name: str):
+    @functools.wraps(init)
+    def checked_init(self, module: nn.Module, *args, **kwargs):
+        from .dbuffer import bucket_of, is_sharded
+
+        sharded = next((p for p in module.parameters() if is_sharded(p)), None)
+        if sharded is not None:
+            raise ValueError(
+                f"{wrapper_name} was asked to wrap {type(module).__name__}, whose parameters fsdp_pass has sharded "
+                f"(e.g. {bucket_of(sharded)[1]!r}); fsdp_pass already synchronizes gradients: do not wrap the model "
+                f"in DistributedDataParallel or FSDP. Frameworks that wrap by themselves have a recipe in "
+                f"docs/integrations.md (Hugging Face Trainer / accelerate, Lightning, torchtitan)"
+            )
+        init(self, module, *args, **kwargs)
+
+    return checked_init
+
+
+def check_mesh_is_current(buf) -> None:
+    """Raise if ``buf`` was sharded without a process group but one with several ranks exists now."""
+    if buf.mesh.mesh is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"parameter {buf.names[0]!r} was sharded over a single process (no process group existed when "
+            f"fully_shard ran), but this run has {dist.get_world_size()} ranks: the ranks would train without "
+            f"gradient sync. Call torch.distributed.init_process_group (or create the framework's Accelerator / "
+            f"TrainingArguments) before fully_shard, or leave sharding to torch.compile(model, backend='vescale'), "
+            f"which shards at the first call (see docs/integrations.md)"
+        )

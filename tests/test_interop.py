@@ -1,0 +1,267 @@
+"""What frameworks call on a sharded model: ``Module._apply``, FSDP2's meta-device flow, in-place
+init ops, the gradient divide factor, settings made before sharding, wrappers and stale meshes.
+
+One spawned process group per world size runs every multi-rank case ([Note: Module._apply on
+sharded parameters], [Note: buffers left on the meta device], [Note: settings recorded before
+sharding], [Note: wrappers around a sharded model]).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_pass
+from fsdp_pass.runtime.dbuffer import buffers_of, is_sharded
+from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss, random_tokens
+from fsdp_pass.testing.spawn import run_distributed
+
+CFG = LlamaConfig(vocab=64, dim=32, ffn=48, heads=2, kv_heads=2, layers=2, seq=8)
+AOT = {"compiler": "aot_eager"}
+TOLERANCE = 1e-6  # relative, fp32 training after the call (one process sums the batch in another order)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _init_weights(model: Llama) -> None:
+    """A torchtitan-style ``init_weights``: torch.nn.init on every parameter, and the rope table."""
+    with torch.no_grad():
+        nn.init.normal_(model.tok_embeddings.weight)
+        for layer in model.layers:
+            for name, p in layer.named_parameters():
+                if p.dim() > 1:
+                    nn.init.trunc_normal_(p, std=0.02) if "attn" in name else nn.init.kaiming_uniform_(p, a=5 ** 0.5)
+                else:
+                    nn.init.ones_(p)
+        nn.init.ones_(model.norm.weight)
+        head_dim = CFG.dim // CFG.heads
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=model.freqs.device).float() / head_dim))
+        model.freqs.copy_(torch.outer(torch.arange(CFG.seq).float(), inv))
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+
+def test_apply_keeps_parameters_in_their_buckets():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    fsdp_pass.fully_shard(model)
+    before = [(p, p.to_local()) for p in model.parameters()]
+    model.to("cpu").cpu().float().train().eval().requires_grad_(True).to_empty(device="cpu")
+    for (p, piece), q in zip(before, model.parameters()):
+        assert p is q and is_sharded(q) and q.to_local() is piece  # the same object, piece and bucket
+    x = torch.randn(4, 19)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.half(), r"MLP|Linear.weight \(parameter 'layers.0.weight', shape \(37, 19\)\).*mp_policy"),
+    (lambda m: m.to(torch.bfloat16), r"torch.float32 -> torch.bfloat16.*mp_policy"),
+    (lambda m: m.to("meta"), r"moving a sharded model to meta is not supported"),
+])
+def test_apply_refuses_dtype_and_device_changes_untouched(call, match):
+    model = MLP()
+    model.register_buffer("scale", torch.ones(3))
+    fsdp_pass.fully_shard(model)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(model)
+    assert model.scale.dtype == torch.float32 and model.scale.device.type == "cpu"  # nothing changed
+    assert all(p.dtype == torch.float32 and is_sharded(p) for p in model.parameters())
+
+
+def test_ddp_and_fsdp1_are_refused_with_the_fix():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = MLP()
+    fsdp_pass.fully_shard(model)
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
+        with pytest.raises(ValueError, match=r"already synchronizes gradients: do not wrap.*docs/integrations.md"):
+            wrapper(model)
+
+
+def test_divide_factor_bad_input():
+    model = MLP()
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="must be a positive number"):
+            fsdp_pass.set_gradient_divide_factor(model, bad)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"options\['gradient_divide_factor'\] must be"):
+        torch.compile(model, backend="vescale", options={"gradient_divide_factor": 0})(torch.ones(2, 19))
+
+
+# -- several ranks, one spawned group each ---------------------------------------------------------
+
+
+def _meta_flow(rank: int, world: int) -> dict:
+    """Shard on meta, ``to_empty``, the model's own init: bit-equal to one process, generator included."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = Llama(CFG)
+    torch.manual_seed(1)
+    _init_weights(reference)
+    after_reference = torch.rand(4)
+    with torch.device("meta"):
+        model = Llama(CFG)
+    fsdp_pass.fully_shard(model, init="skip")
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    _init_weights(model)
+    assert torch.equal(torch.rand(4), after_reference), "the generator state after the init differs"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+    assert torch.equal(model.freqs, reference.freqs)
+    return _train_both(model, reference, rank, world, steps=2)
+
+
+def _train_both(model: nn.Module, reference: nn.Module, rank: int, world: int, steps: int = 3,
+                eager_steps: int = 1, options: dict | None = None) -> dict:
+    """AdamW with clipping, compiled then eager steps, against one process on the global batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="vescale", options={**AOT, **(options or {})})
+    worst = 0.0
+    per_rank = 8 // world
+    for step in range(steps + eager_steps):
+        tokens = random_tokens(CFG, 8, seed=step)
+        run = compiled if step < steps else model
+        loss = lm_loss(run(tokens[rank * per_rank:(rank + 1) * per_rank]), tokens[rank * per_rank:(rank + 1) * per_rank])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = lm_loss(reference(tokens), tokens)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        worst = max(worst, abs(global_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    params = max(_rel(p.full_tensor(), q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert worst <= TOLERANCE and params <= 1e-5, (worst, params)
+    return {"loss_rel": worst, "param_rel": params}
+
+
+def _to_after_sharding(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(CFG))
+    reference = copy.deepcopy(model)
+    fsdp_pass.fully_shard(model)
+    model.to("cpu")  # what Trainer, accelerate and Lightning call
+    model.float().train()
+    return _train_both(model, reference, rank, world)
+
+
+def _gradients(model: nn.Module, tokens: torch.Tensor, rank: int, world: int, compiled: bool) -> list[torch.Tensor]:
+    per_rank = tokens.shape[0] // world
+    mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+    run = torch.compile(model, backend="vescale", options=AOT) if compiled else model
+    lm_loss(run(mine), mine).backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def _divide_factor(rank: int, world: int, mesh_shape=None) -> dict:
+    """Factor 1.0 (set before the backend shards): the sum over ranks, world x the mean, compiled and eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = init_std(Llama(CFG))
+    tokens = random_tokens(CFG, 8, seed=5)
+    lm_loss(reference(tokens), tokens).backward()
+    options = dict(AOT)
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    fsdp_pass.set_gradient_divide_factor(model, 1.0)  # not sharded yet: recorded, applied when sharded
+    compiled = torch.compile(model, backend="vescale", options=options)
+    per_rank = 8 // world
+    mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+    lm_loss(compiled(mine), mine).backward()
+    worst = {"compiled": 0.0, "eager": 0.0}
+    for kind in ("compiled", "eager"):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            worst[kind] = max(worst[kind], _rel(p.grad.full_tensor(), world * q.grad))
+        model.zero_grad()
+        lm_loss(model(mine), mine).backward()
+    assert max(worst.values()) <= TOLERANCE, worst
+    # A factor changed after compiling would be ignored by the graph's constant: refused instead.
+    fsdp_pass.set_gradient_divide_factor(model, 2.0)
+    try:
+        compiled(mine)
+    except RuntimeError as e:
+        assert "set_gradient_divide_factor before the first compiled call" in str(e), e
+    else:
+        raise AssertionError("a changed divide factor was not refused")
+    return worst
+
+
+def _no_sync_before_first_call(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = init_std(Llama(CFG))
+    model = copy.deepcopy(reference)
+    compiled = torch.compile(model, backend="vescale", options=AOT)
+    per_rank = 8 // world
+    micro = [random_tokens(CFG, 8, seed=s) for s in (7, 8)]
+    with fsdp_pass.no_sync(compiled):  # the first call shards inside the block
+        mine = micro[0][rank * per_rank:(rank + 1) * per_rank]
+        lm_loss(compiled(mine), mine).backward()
+        pending = [b.pending_bytes for b in buffers_of(model) if b.shard.requires_grad]
+        assert all(n > 0 for n in pending) and all(p.grad is None for p in model.parameters()), pending
+    mine = micro[1][rank * per_rank:(rank + 1) * per_rank]
+    lm_loss(compiled(mine), mine).backward()
+    assert all(b.gradient_sync and b.pending_bytes == 0 for b in buffers_of(model))
+    for tokens in micro:
+        lm_loss(reference(tokens), tokens).backward()
+    worst = max(_rel(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert worst <= TOLERANCE, worst
+    return {"grad_rel": worst}
+
+
+def _sharded_before_the_group(rank: int, world: int, init_file: str) -> None:
+    model = MLP()
+    fsdp_pass.fully_shard(model)  # no process group yet: a world of one
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    for call in (lambda: torch.compile(model, backend="vescale", options=AOT)(torch.ones(2, 19)),
+                 lambda: model(torch.ones(2, 19))):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "was sharded over a single process" in str(e) and "init_process_group" in str(e), e
+        else:
+            raise AssertionError("a model sharded without a process group ran on several ranks")
+
+
+def _all_cases(rank: int, world: int, init_file: str) -> dict:
+    _sharded_before_the_group(rank, world, init_file)
+    torch._dynamo.reset()
+    results = {
+        "meta_flow": _meta_flow(rank, world),
+        "to_after_sharding": _to_after_sharding(rank, world),
+        "divide_factor": _divide_factor(rank, world),
+        "no_sync_first": _no_sync_before_first_call(rank, world),
+    }
+    if world == 4:
+        results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_interop_cases(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_distributed(_all_cases, world, os.path.join(tmp, "init"), backend=None)
+    print(results[0])
