@@ -1,25 +1,48 @@
 """Whole (unsharded) state dicts of a sharded model: export on rank 0, load on every rank.
 
-``torch.distributed.checkpoint.state_dict.get_model_state_dict(..., full_state_dict=True)`` gathers
-DTensors only; a RaggedShard parameter would come back as this rank's piece. These two functions
-are the full-state counterparts for models sharded by ``fully_shard`` or the ``vescale`` backend,
-including tensor/expert-parallel DTensor parameters whose local tensors are RaggedShard
-([Note: FSDP over TP/EP] in sharding/materialize.py).
+:func:`get_full_state_dict` / :func:`set_full_state_dict` are the full-state functions for models
+sharded by ``fully_shard`` or the ``vescale`` backend, including tensor/expert-parallel DTensor
+parameters whose local tensors are RaggedShard ([Note: FSDP over TP/EP] in sharding/materialize.py).
 For sharded checkpoints that load at any world size, use DCP (``torch.distributed.checkpoint``).
+
+[Note: torch's state-dict API on sharded models]
+``torch.distributed.checkpoint.state_dict`` (what torchtitan's checkpointer, Lightning and
+accelerate call) gathers DTensors only: with ``full_state_dict=True`` a RaggedShard parameter, its
+optimizer states, and the RaggedShard local tensor of a ``Replicate()`` TP parameter would come
+back as this rank's piece, and a framework would save shards as if whole. Importing fsdp_pass
+wraps two torch functions so the API gives and takes whole tensors:
+
+* ``_gather_state_dict`` (behind ``full_state_dict=True`` of ``get_model_state_dict``,
+  ``get_optimizer_state_dict`` and ``get_state_dict``) first replaces every sharded tensor by its
+  whole value (:func:`whole_tensor`, a collective on every rank), then runs as before (CPU offload,
+  rank-0-only results);
+* ``Optimizer._process_value_according_to_param_policy`` (how ``optimizer.load_state_dict`` casts
+  each state to its parameter) keeps this rank's piece of a whole state of a sharded parameter, in
+  the parameter's layout, as a state made by a step would be. Loading model values needs nothing:
+  ``load_state_dict`` copies whole tensors into the pieces (``copy_``).
+
+The backend shards lazily, so a framework may load whole optimizer states (a resumed run) before
+the first compiled call shards their parameters: a global optimizer step pre-hook cuts the whole
+states of newly sharded parameters to their pieces the same way, once per parameter.
+
+Without ``full_state_dict`` the API returns the sharded, DCP-saveable form unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+import weakref
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.ragged_tensor import RaggedShardTensor, local_block
 
-__all__ = ["get_full_state_dict", "set_full_state_dict", "whole_tensor"]
+__all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "whole_tensor"]
 
 
 def _is_distributed(t: torch.Tensor) -> bool:
@@ -105,3 +128,87 @@ def set_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, 
             target._local_tensor.copy_(block.to(target.device, target.dtype))
         else:
             target.copy_(full.to(target.device, target.dtype))
+
+
+def _whole_values(tree: Any) -> Any:
+    """``tree`` (a state dict, nested dicts and lists) with every sharded tensor replaced by its whole value."""
+    if isinstance(tree, torch.Tensor):
+        return whole_tensor(tree) if _holds_pieces(tree) else tree
+    if isinstance(tree, dict):
+        return {k: _whole_values(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_whole_values(v) for v in tree)
+    return tree
+
+
+def _holds_pieces(t: torch.Tensor) -> bool:
+    return isinstance(t, RaggedShardTensor) or (isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor))
+
+
+def _piece_of_whole_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A whole optimizer state of sharded ``param`` as this rank's piece, in the parameter's layout."""
+    if _holds_pieces(value) or value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
+        return value
+    if isinstance(param, DTensor):
+        block = local_block(value, param._spec)
+        part = param._local_tensor
+        start, end = part._spec.local_range
+        piece = RaggedShardTensor(block.reshape(-1)[start:end].clone(), part._spec)
+        return DTensor(piece, param._spec, requires_grad=False)
+    start, end = param._spec.local_range
+    return RaggedShardTensor(value.reshape(-1)[start:end].clone(), param._spec)
+
+
+_installed = False
+
+
+def install_state_dict_api() -> None:
+    """Wrap torch's state-dict helpers ([Note: torch's state-dict API on sharded models]); once per process."""
+    global _installed
+    if _installed:
+        return
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    from .runtime.dbuffer import is_sharded
+
+    gather = torch_state_dict._gather_state_dict
+
+    @functools.wraps(gather)
+    def gather_whole(state_dict, *args, **kwargs):
+        return gather(_whole_values(state_dict), *args, **kwargs)
+
+    torch_state_dict._gather_state_dict = gather_whole
+
+    cast = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    @functools.wraps(cast)
+    def cast_then_shard(param, value, *args, **kwargs):
+        value = cast(param, value, *args, **kwargs)
+        return _piece_of_whole_state(param, value) if is_sharded(param) else value
+
+    torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(cast_then_shard)
+    register_optimizer_step_pre_hook(_shard_whole_states)
+    _installed = True
+
+
+# optimizer → ids of its sharded parameters whose states were looked at since they were sharded
+_states_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref.WeakKeyDictionary()
+
+
+def _shard_whole_states(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    from .runtime.dbuffer import is_sharded
+
+    checked = _states_checked.setdefault(optimizer, set())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in checked or not is_sharded(p):
+                continue
+            checked.add(id(p))
+            state = optimizer.state.get(p)
+            if state:
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = _piece_of_whole_state(p, value)
+
+
+install_state_dict_api()

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import fsdp_pass
 from fsdp_pass.runtime.dbuffer import buffers_of, is_sharded
+from fsdp_pass.state_dict import whole_tensor
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss, random_tokens
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -246,7 +247,61 @@ def _sharded_before_the_group(rank: int, world: int, init_file: str) -> None:
             raise AssertionError("a model sharded without a process group ran on several ranks")
 
 
-def _all_cases(rank: int, world: int, init_file: str) -> dict:
+def _state_dict_api(rank: int, world: int, tmp: str) -> dict:
+    """torch's state-dict API with full_state_dict: whole tensors out (a plain model loads them) and in.
+
+    Model and optimizer states go out of this world size's run into a file, and the next world size
+    loads them ({2, 4} ranks, then one process in the test): the next steps continue bit-exactly.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+
+    torch._dynamo.reset()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    torch.manual_seed(0)
+    model = init_std(Llama(CFG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="vescale", options=AOT)
+    incoming = os.path.join(tmp, f"from_{world // 2}.pt")
+    per_rank = 8 // world
+
+    def step(k: int) -> None:
+        tokens = random_tokens(CFG, 8, seed=20 + k)[rank * per_rank:(rank + 1) * per_rank]
+        lm_loss(compiled(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    if os.path.exists(incoming):  # the previous world size's state: in, and out again bit-exactly
+        saved = torch.load(incoming)
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+        model_sd, optim_sd = get_state_dict(model, opt, options=full)
+        if rank == 0:
+            for name, value in saved["model"].items():
+                assert torch.equal(model_sd[name], value), f"{name} differs after loading {incoming}"
+            for name, state in saved["optim"]["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(optim_sd["state"][name][key], value), f"{name}.{key} differs"
+    step(0)
+    model_sd, optim_sd = get_state_dict(model, opt, options=full)  # rank 0 keeps them (cpu_offload)
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}  # collectives: every rank
+    states = {name: {key: whole_tensor(v) if key != "step" else v for key, v in opt.state[p].items()}
+              for name, p in model.named_parameters()}
+    if rank != 0:
+        assert model_sd == {}
+        return {}
+    plain = Llama(CFG)
+    plain.load_state_dict(model_sd)  # strict: every key, whole tensors
+    for name, q in plain.named_parameters():
+        assert torch.equal(params[name], q), name
+    for name, p in model.named_parameters():
+        for key, value in optim_sd["state"][name].items():
+            assert torch.equal(value, states[name][key]), f"{name}.{key}"
+            assert key == "step" or value.shape == p.shape, (name, key, value.shape)
+    torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(tmp, f"from_{world}.pt"))
+    return {"keys": len(model_sd)}
+
+
+def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
     _sharded_before_the_group(rank, world, init_file)
     torch._dynamo.reset()
     results = {
@@ -254,14 +309,25 @@ def _all_cases(rank: int, world: int, init_file: str) -> dict:
         "to_after_sharding": _to_after_sharding(rank, world),
         "divide_factor": _divide_factor(rank, world),
         "no_sync_first": _no_sync_before_first_call(rank, world),
+        "state_dict_api": _state_dict_api(rank, world, tmp),
     }
     if world == 4:
         results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_interop_cases(world):
+def test_interop_cases_on_2_then_4_ranks():
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_distributed(_all_cases, world, os.path.join(tmp, "init"), backend=None)
-    print(results[0])
+        for world in (2, 4):
+            results = run_distributed(_all_cases, world, os.path.join(tmp, f"init{world}"), tmp, backend=None)
+            print(world, results[0])
+        saved = torch.load(os.path.join(tmp, "from_4.pt"))  # and into one process, unsharded
+        plain = Llama(CFG)
+        plain.load_state_dict(saved["model"])
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        names = [n for n, _ in plain.named_parameters()]
+        opt.load_state_dict({"state": {i: saved["optim"]["state"][n] for i, n in enumerate(names)},
+                             "param_groups": [{**saved["optim"]["param_groups"][0], "params": list(range(len(names)))}]})
+        tokens = random_tokens(CFG, 8, seed=20)
+        lm_loss(plain(tokens), tokens).backward()
+        opt.step()  # one process continues from the 4-rank state
