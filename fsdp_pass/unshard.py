@@ -28,7 +28,8 @@ def unshard(module: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
     Gradients computed on the whole tensors inside the block are discarded.
 
     Like FSDP1's ``summon_full_params``, this is collective (every rank of the model's mesh enters
-    the block) and holds the whole model on every rank while it lasts. Do not call the compiled
+    the block) and holds the whole model on every rank while it lasts, each parameter in storage
+    of its own (savers that deduplicate shared storage keep every tensor). Do not call the compiled
     model inside the block: call ``module`` itself.
 
         with fsdp_pass.unshard(model):
@@ -66,7 +67,9 @@ def unshard(module: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
             views = buf.views(buf.all_gather())
             for p in params:
                 _, name = bucket_of(p)
-                whole = nn.Parameter(views[name], requires_grad=p.requires_grad)
+                # Its own storage, not a view of the gathered bucket: storage-based savers (accelerate's
+                # clean_state_dict_for_safetensors, safetensors) keep one tensor per storage.
+                whole = nn.Parameter(views[name].clone(), requires_grad=p.requires_grad)
                 swap_in_place(p, whole)  # p is now the whole tensor; `whole` holds the sharded one
                 mark_unsharded(p)
                 swapped.append((p, whole, buf, name))

@@ -13,6 +13,7 @@ import os
 import tempfile
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -88,6 +89,21 @@ def test_ddp_and_fsdp1_are_refused_with_the_fix():
     for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
         with pytest.raises(ValueError, match=r"already synchronizes gradients: do not wrap.*docs/integrations.md"):
             wrapper(model)
+
+
+def test_eager_calls_follow_the_compiled_mp_policy():
+    """torchtitan's chunked loss runs the output layer eagerly on the compiled body's bf16 output."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    compiled = torch.compile(model, backend="vescale",
+                             options={**AOT, "mp_policy": {"param_dtype": torch.bfloat16}})
+    tokens = random_tokens(CFG, 2, seed=0)
+    assert compiled(tokens).dtype == torch.bfloat16
+    hidden = torch.randn(2, CFG.seq, CFG.dim, dtype=torch.bfloat16)
+    out = model.output(hidden)
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    assert model.output.weight.grad.dtype == torch.float32  # the master dtype
 
 
 def test_divide_factor_bad_input():
@@ -283,6 +299,10 @@ def _state_dict_api(rank: int, world: int, tmp: str) -> dict:
                     assert torch.equal(optim_sd["state"][name][key], value), f"{name}.{key} differs"
     step(0)
     model_sd, optim_sd = get_state_dict(model, opt, options=full)  # rank 0 keeps them (cpu_offload)
+    # Inside unshard every parameter saves as its own tensor through storage-deduplicating savers.
+    with fsdp_pass.unshard(model):
+        if rank == 0:
+            safetensors.torch.save_model(model, os.path.join(tmp, f"unshard_{world}.safetensors"))
     params = {name: p.full_tensor() for name, p in model.named_parameters()}  # collectives: every rank
     states = {name: {key: whole_tensor(v) if key != "step" else v for key, v in opt.state[p].items()}
               for name, p in model.named_parameters()}
@@ -292,6 +312,10 @@ def _state_dict_api(rank: int, world: int, tmp: str) -> dict:
     plain = Llama(CFG)
     plain.load_state_dict(model_sd)  # strict: every key, whole tensors
     for name, q in plain.named_parameters():
+        assert torch.equal(params[name], q), name
+    from_safetensors = Llama(CFG)
+    safetensors.torch.load_model(from_safetensors, os.path.join(tmp, f"unshard_{world}.safetensors"))
+    for name, q in from_safetensors.named_parameters():
         assert torch.equal(params[name], q), name
     for name, p in model.named_parameters():
         for key, value in optim_sd["state"][name].items():

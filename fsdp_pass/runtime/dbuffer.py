@@ -146,6 +146,8 @@ class DBuffer:
         # Reduced gradients are divided by this (None: the data-parallel degree, a mean); see
         # fsdp_pass.set_gradient_divide_factor. Compiled graphs hold it as a constant.
         self.gradient_divide_factor: float | None = None
+        # The dtype compiled graphs gather in (mp_policy's param_dtype); eager calls gather in it too.
+        self.compute_dtype: torch.dtype = dtype
         flat_buffers.register(self.shard, flat_buffers.bucket_slots(self))  # [Note: one kernel per bucket]
 
     # -- geometry ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ blocks are compiled one by one) reaches ``RaggedShardTensor.__torch_dispatch__``
 whose pieces cannot answer a matmul or a broadcast. For those ops:
 
 * forward: dispatch runs the op on the parameters' whole values. :func:`whole_parameter` all-gathers
-  the parameter's bucket and keeps the last gathered bucket, keyed by the shard's version counter
+  the parameter's bucket (in the compiled graphs' ``mp_policy`` param_dtype, so an eager head on a
+  compiled body's output computes in the same dtype) and keeps the last gathered bucket, keyed by the shard's version counter
   (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
   a module unit cost one all-gather, and an eager forward holds the shards plus one gathered bucket
   (two while the next is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd
@@ -62,7 +63,7 @@ def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
     _gathered.pop(key, None)
     while len(_gathered) >= _KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
         _gathered.popitem(last=False)
-    views = buf.views(buf.all_gather())
+    views = buf.views(buf.all_gather(buf.compute_dtype))
     check_gathered(buf, views)  # [Note: uninitialized shards]
     _gathered[key] = (weakref.ref(buf), version, views)
     return views[name]
@@ -90,7 +91,7 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
             f"which holds only this rank's part of this rank's gradient; compute the loss with "
             f'torch.compile(model, backend="vescale") instead'
         )
-    whole = grad.detach().reshape(-1).clone()
+    whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
     for group in buf.mesh.data_parallel_groups():
         collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
