@@ -171,14 +171,19 @@ def test_switching_compiles_each_graph_once():
     assert all(b.pending_bytes == 0 for b in _buffers(model))
 
 
-def test_never_sharded_model_is_refused():
+def test_settings_on_a_model_not_sharded_yet_wait_for_its_buckets():
+    """[Note: settings recorded before sharding]; tests/test_interop.py trains through it on 2 and 4 ranks."""
+    from fsdp_pass.runtime.bucket_settings import recorded
+
     model = Llama(LlamaConfig(layers=1))
     for target in (model, torch.compile(model, backend="vescale")):  # compiled but never run: not sharded yet
-        with pytest.raises(ValueError, match="fully_shard"):
-            with fsdp_pass.no_sync(target):
-                pass
+        with fsdp_pass.no_sync(target):
+            assert all(recorded(p, "gradient_sync") is False for p in model.parameters())
+        assert all(recorded(p, "gradient_sync") is True for p in model.parameters())
         with pytest.raises(ValueError, match="backend='vescale'"):
-            fsdp_pass.set_requires_gradient_sync(target, False)
+            fsdp_pass.reduce_gradients(target)  # nothing can be pending before sharding
+    with pytest.raises(ValueError, match="set_requires_gradient_sync: ReLU has no parameters"):
+        fsdp_pass.set_requires_gradient_sync(torch.nn.ReLU(), False)
 
 
 def test_state_is_restored_on_error_and_nesting():
