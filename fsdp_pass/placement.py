@@ -145,6 +145,13 @@ class RaggedShard:
         ends = [0, *accumulate(self.local_units)]
         return [(a * self.block, b * self.block) for a, b in zip(ends, ends[1:])]
 
+    def sub_range(self, start: int, end: int) -> "RaggedShard":
+        """The placement of flat elements ``[start, end)`` as a tensor of their own (element blocks):
+        each rank holds the part of its piece inside the range, still one contiguous run."""
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"flat range [{start}, {end}) is outside a tensor of {self.numel} elements")
+        return RaggedShard(1, [max(0, min(end, b) - max(start, a)) for a, b in self.ranges()])
+
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
         """The trailing-dims shape ``rank``'s piece can be viewed as (see :func:`local_view_shape`)."""
         return local_view_shape(shape, *self.local_range(rank))

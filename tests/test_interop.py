@@ -325,6 +325,39 @@ def _state_dict_api(rank: int, world: int, tmp: str) -> dict:
     return {"keys": len(model_sd)}
 
 
+class FusedQKV(nn.Module):
+    """A fused projection whose state dict holds q, k, v apart (torchtitan's FusedQKVLinear saves so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(16, 3 * 12, bias=False)
+        self._register_state_dict_hook(_split_qkv_on_save)
+
+
+def _split_qkv_on_save(module, state_dict, prefix, local_metadata) -> None:
+    fused = state_dict.pop(prefix + "wqkv.weight")
+    for name, part in zip("qkv", fused.chunk(3, dim=0)):
+        state_dict[f"{prefix}w{name}.weight"] = part.view(2, 6, 16)  # heads x head_dim x dim
+
+
+def _split_state_dict_hook(rank: int, world: int, tmp: str) -> None:
+    """A state_dict hook that chunks and views a sharded parameter: DCP saves the parts, a plain load reads them."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    model = FusedQKV()
+    whole = model.wqkv.weight.detach().clone()
+    fsdp_pass.fully_shard(model)
+    path = os.path.join(tmp, f"qkv_{world}")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    dist.barrier()
+    if rank == 0:
+        plain = {f"w{n}.weight": torch.empty(2, 6, 16) for n in "qkv"}
+        dcp.load(plain, checkpoint_id=path, no_dist=True)
+        for name, part in zip("qkv", whole.chunk(3)):
+            assert torch.equal(plain[f"w{name}.weight"], part.view(2, 6, 16)), name
+
+
 def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
     _sharded_before_the_group(rank, world, init_file)
     torch._dynamo.reset()
@@ -334,6 +367,7 @@ def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
         "divide_factor": _divide_factor(rank, world),
         "no_sync_first": _no_sync_before_first_call(rank, world),
         "state_dict_api": _state_dict_api(rank, world, tmp),
+        "split_state_dict_hook": _split_state_dict_hook(rank, world, tmp),
     }
     if world == 4:
         results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))

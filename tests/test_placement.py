@@ -295,3 +295,12 @@ def test_transfer_splits_rejects_mismatched_layouts():
         transfer_splits(RaggedShard(1, (2, 2)), RaggedShard(1, (2, 3)), 0)
     with pytest.raises(ValueError, match="same number of ranks"):
         transfer_splits(RaggedShard(1, (2, 2)), RaggedShard(1, (2, 1, 1)), 0)
+
+
+def test_sub_range_keeps_each_ranks_part_of_the_range():
+    placement = RaggedShard(1, [5, 12, 7])
+    assert placement.sub_range(4, 12).local_units == (1, 7, 0)
+    assert placement.sub_range(0, 24).local_units == (5, 12, 7)
+    assert RaggedShard(4, [2, 0, 1]).sub_range(6, 12).local_units == (2, 0, 4)
+    with pytest.raises(ValueError, match=r"flat range \[3, 30\) is outside a tensor of 24 elements"):
+        placement.sub_range(3, 30)

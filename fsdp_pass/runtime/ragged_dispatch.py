@@ -7,7 +7,11 @@ Each rank holds one flat range of a tensor, so an op runs on the pieces only whe
   optimizer kernels, between tensors of one layout and Python scalars or 0-dim plain tensors;
 * full reductions (vector norms, ``sum``, ``max``/``min``, ``any``/``all``, ``dot``): reduce the piece, then
   all-reduce over the mesh dim; the result is a plain, replicated tensor;
-* in-place random fills (``normal_``, ``uniform_``, ...): the whole tensor is drawn, the piece kept.
+* in-place random fills (``normal_``, ``uniform_``, ...): the whole tensor is drawn, the piece kept;
+* ops that keep the row-major flat order, on tensors that are not parameters (state-dict values,
+  gradients): ``view``/``reshape`` (the same piece under another shape) and ``split``/``chunk``/
+  ``narrow``/``unbind`` along dim 0 (each part keeps the run of its elements this rank holds), so
+  ``state_dict`` hooks that split a fused weight (QKV) hand DCP sharded parts.
 
 Everything else raises rather than compute something silently wrong on a piece. :func:`dispatch`
 tries its cases in order; the first that applies handles the op.
@@ -48,6 +52,8 @@ def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
         return _run_elementwise(call)
     if _is_per_tensor_list_op(call):
         return _run_per_list_entry(call)
+    if call.func in _FLAT_ORDER_OPS and not call.pieces_are_fake:
+        return _FLAT_ORDER_OPS[call.func](call)
     if call.pieces_are_fake:
         return _run_on_full_shape_stand_ins(call)
     raise _unsupported(call)
@@ -568,6 +574,63 @@ def _fill_randomly(call: _OpCall) -> RaggedShardTensor:
     aten.copy_.default(dst._local, whole.view(-1)[start:end])
     call.count_writes()
     return dst
+
+
+def _part(x: RaggedShardTensor, start: int, end: int, shape: Sequence[int]) -> RaggedShardTensor:
+    """Flat elements ``[start, end)`` of ``x`` as a RaggedShard tensor of ``shape`` (a view of the piece)."""
+    spec = x._spec
+    if spec.global_shape is not None:
+        raise NotImplementedError(
+            f"cannot split or reshape the RaggedShard local tensor of a tensor/expert-parallel DTensor "
+            f"({spec.describe()}); {_FULL_TENSOR_HINT}"
+        )
+    mine, lo = spec.local_range
+    a, b = min(max(start, mine), lo), min(max(end, mine), lo)
+    placement = spec.placement if (start, end) == (0, x.numel()) else spec.placement.sub_range(start, end)
+    return RaggedShardTensor(x._local[a - mine:b - mine], RaggedSpec(torch.Size(shape), placement, spec.mesh,
+                                                                     spec.mesh_dim))
+
+
+def _view(call: _OpCall) -> RaggedShardTensor:
+    x, size = call.args[0], list(call.args[1])
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = x.numel() // known if known else 0
+    if math.prod(size) != x.numel():
+        raise RuntimeError(f"shape {size} is invalid for a RaggedShardTensor of {x.numel()} elements ({x._spec.describe()})")
+    return _part(x, 0, x.numel(), size)
+
+
+def _rows(call: _OpCall) -> Any:
+    """``split``/``split_with_sizes``/``slice``/``unbind`` along dim 0 (``chunk`` and ``narrow`` arrive as these)."""
+    func, x = call.func, call.args[0]
+    dim = call.bound.get("dim", 0)
+    if x.dim() == 0 or dim % x.dim() != 0 or (func is aten.slice.Tensor and call.bound.get("step", 1) != 1):
+        raise _unsupported(call)
+    rows, row = x.shape[0], x.numel() // max(x.shape[0], 1)
+    if func is aten.slice.Tensor:
+        start, end = call.bound.get("start") or 0, call.bound.get("end")
+        start, end = [min(max(v + rows if v < 0 else v, 0), rows) for v in (start, rows if end is None else end)]
+        return _part(x, start * row, max(start, end) * row, (max(end - start, 0), *x.shape[1:]))
+    if func is aten.unbind.int:
+        return tuple(_part(x, i * row, (i + 1) * row, x.shape[1:]) for i in range(rows))
+    sizes = call.bound["split_sizes"] if func is aten.split_with_sizes.default else [
+        min(call.bound["split_size"], rows - i) for i in range(0, rows, call.bound["split_size"])]
+    parts, start = [], 0
+    for n in sizes:
+        parts.append(_part(x, start * row, (start + n) * row, (n, *x.shape[1:])))
+        start += n
+    return parts
+
+
+_FLAT_ORDER_OPS: dict[Any, Callable[[_OpCall], Any]] = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.split.Tensor: _rows,
+    aten.split_with_sizes.default: _rows,
+    aten.slice.Tensor: _rows,
+    aten.unbind.int: _rows,
+}
 
 
 def _detach(call: _OpCall) -> RaggedShardTensor:
