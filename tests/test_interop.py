@@ -9,6 +9,7 @@ sharding], [Note: wrappers around a sharded model]).
 from __future__ import annotations
 
 import copy
+import io
 import os
 import tempfile
 
@@ -298,6 +299,13 @@ def _state_dict_api(rank: int, world: int, tmp: str) -> dict:
                 for key, value in state.items():
                     assert torch.equal(optim_sd["state"][name][key], value), f"{name}.{key} differs"
     step(0)
+    for sharded in (model.state_dict(), opt.state_dict()):  # what a rank-0 torch.save would write: refused
+        try:
+            torch.save(sharded, io.BytesIO())
+        except RuntimeError as e:
+            assert "cannot pickle (torch.save) a RaggedShardTensor sharded over" in str(e), e
+        else:
+            raise AssertionError("torch.save wrote this rank's pieces as if they were whole")
     model_sd, optim_sd = get_state_dict(model, opt, options=full)  # rank 0 keeps them (cpu_offload)
     # Inside unshard every parameter saves as its own tensor through storage-deduplicating savers.
     with fsdp_pass.unshard(model):

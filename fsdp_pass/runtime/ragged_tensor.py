@@ -202,6 +202,19 @@ class RaggedShardTensor(torch.Tensor):
     def __repr__(self) -> str:
         return f"RaggedShardTensor({self._spec.describe()}, local={self._local!r})"
 
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle would write this rank's piece alone: frameworks that save on rank 0
+        # (optimizer.pt, a "full" checkpoint) would write files that silently lose the other pieces.
+        if self._spec.world_size > 1:
+            raise RuntimeError(
+                f"cannot pickle (torch.save) a RaggedShardTensor sharded over {self._spec.world_size} ranks "
+                f"({self._spec.describe()}): the file would hold this rank's piece only. Save sharded state with "
+                f"torch.distributed.checkpoint (dcp.save on every rank), or whole tensors: "
+                f"fsdp_pass.get_full_state_dict(model), or torch's get_state_dict(model, optimizer, "
+                f"options=StateDictOptions(full_state_dict=True)); docs/integrations.md has each framework's recipe"
+            )
+        return super().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return ragged_dispatch.dispatch(func, args, kwargs)
