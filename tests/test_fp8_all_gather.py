@@ -24,7 +24,7 @@ from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
 TOLERANCE = 1e-5  # 2 ranks and 2x2 HSDP are bitwise (asserted); 4 flat ranks sum in gloo's ring order
-STEPS = 20
+STEPS = 10
 LR = 1e-2
 CFG = dict(vocab=64, dim=128, ffn=256, heads=4, kv_heads=4, layers=2, seq=8)
 _c10d = torch.ops._c10d_functional
