@@ -13,7 +13,7 @@ from .gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
 from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
-from .state_dict import get_full_state_dict, set_full_state_dict
+from .state_dict import get_full_state_dict, set_full_state_dict, set_state_dict_type
 from .unshard import unshard
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "set_full_state_dict",
     "set_gradient_divide_factor",
     "set_requires_gradient_sync",
+    "set_state_dict_type",
     "unshard",
 ]
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.ragged_tensor import RaggedShardTensor, local_block
 
-__all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "whole_tensor"]
+__all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type", "whole_tensor"]
 
 
 def _is_distributed(t: torch.Tensor) -> bool:
@@ -128,6 +128,54 @@ def set_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, 
             target._local_tensor.copy_(block.to(target.device, target.dtype))
         else:
             target.copy_(full.to(target.device, target.dtype))
+
+
+_FULL_HOOK = "_fsdp_pass_full_state_dict_hook"  # on a model or optimizer in "full" mode: the hook's handle
+
+
+def set_state_dict_type(model: nn.Module, state_dict_type: str, *, optimizers: Sequence[torch.optim.Optimizer] = (),
+                        cpu_offload: bool = True) -> None:
+    """Whether ``model.state_dict()`` and each optimizer's ``state_dict()`` give whole tensors (FSDP1's name).
+
+    ``"sharded"`` (the default): every sharded value is this rank's piece, for DCP. ``"full"``: every
+    call gathers whole tensors (``cpu_offload``: on the CPU), so savers that ``torch.save`` or
+    ``safetensors``-save a state dict (accelerate's ``save_model`` / ``save_state``, a framework's
+    full checkpoint) write whole, loadable tensors. In ``"full"`` mode a ``state_dict()`` call is a
+    collective: every rank of the model's mesh makes it. Loading whole tensors needs no mode:
+    ``load_state_dict`` (model and optimizer) takes them in either.
+    """
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"set_state_dict_type: state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+    module = getattr(model, "_orig_mod", model)
+    for owner in (module, *optimizers):
+        handle = owner.__dict__.pop(_FULL_HOOK, None)
+        if handle is not None:
+            handle.remove()
+    if state_dict_type == "sharded":
+        return
+
+    def whole(values: Any) -> Any:
+        out = _whole_values(values)
+        return _offload(out) if cpu_offload else out
+
+    def model_hook(module, state_dict, prefix, local_metadata) -> None:
+        if not prefix:  # the root's call: every value is in
+            state_dict.update(whole(dict(state_dict)))
+
+    def optimizer_hook(optimizer, state_dict):
+        return {**state_dict, "state": whole(state_dict["state"])}
+
+    module.__dict__[_FULL_HOOK] = module.register_state_dict_post_hook(model_hook)
+    for optimizer in optimizers:
+        optimizer.__dict__[_FULL_HOOK] = optimizer.register_state_dict_post_hook(optimizer_hook)
+
+
+def _offload(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _offload(v) for k, v in tree.items()}
+    return tree
 
 
 def _whole_values(tree: Any) -> Any:

@@ -37,7 +37,9 @@ def check_swappable(t: torch.Tensor, what: str) -> None:
     if t._use_count() > 2 or (t._use_count() == 2 and not t.is_leaf):
         raise RuntimeError(
             f"cannot shard {what}: other tensors still alias it (use count {t._use_count()}); "
-            f"shard before running backward, or drop references to views of the parameter"
+            f"shard before running backward, or drop references to views of the parameter. If a framework wrapped "
+            f"the model in DistributedDataParallel: fsdp_pass already synchronizes gradients, do not wrap it "
+            f"(docs/integrations.md)"
         )
 
 

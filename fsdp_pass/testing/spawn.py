@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "run_distributed"]
+__all__ = ["RankFailed", "free_port", "run_distributed", "set_launcher_env"]
 
 _OK, _ERROR = "ok", "error"
 
@@ -137,3 +137,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             for recv, send in pipes:
                 recv.close()
                 send.close()
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for an ``env://`` rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_launcher_env(rank: int, world_size: int, port: int) -> None:
+    """The environment ``torchrun`` gives rank ``rank``: frameworks that create their own process group
+    (accelerate, Lightning, torchtitan) read it. Run the rank with ``run_distributed(..., backend=None)``."""
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })

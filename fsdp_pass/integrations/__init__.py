@@ -1,0 +1,4 @@
+"""Recipes for training frameworks: one module per framework, each using only its public extension points.
+
+See ``docs/integrations.md``.
+"""

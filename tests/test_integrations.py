@@ -1,0 +1,217 @@
+"""The frameworks people train in, run for real on 2 gloo ranks: accelerate (docs/integrations.md).
+
+Each framework's own loop against one process on the same global batch: AdamW with clipping,
+gradient accumulation without per-micro-batch reduce-scatters, the framework's saves loaded into
+a plain model, and a resumed run that continues exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+
+import fsdp_pass
+from fsdp_pass.runtime.dbuffer import buffers_of
+from fsdp_pass.testing.spawn import free_port, run_distributed, set_launcher_env
+
+STEPS, MICRO, GLOBAL_BATCH, SEQ, VOCAB = 6, 2, 8, 8, 61
+LR, CLIP = 1e-3, 0.5
+LOSS_TOLERANCE, PARAM_TOLERANCE = 1e-6, 1e-5  # relative; one process sums the batch in another order
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _batch(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH // MICRO, SEQ), generator=g)
+
+
+def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch: each micro-batch's mean loss / MICRO, clipped AdamW."""
+    model = _hf_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(MICRO):
+            tokens = _batch(step, micro)
+            loss = model(input_ids=tokens, labels=tokens).loss / MICRO
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+# -- accelerate --------------------------------------------------------------------------------
+
+
+def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
+    set_launcher_env(rank, world, port)
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    from fsdp_pass.integrations.accelerate import prepare
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
+    assert dist.get_world_size() == world
+    model = _hf_llama()
+    model.compile(backend="vescale", options={"compiler": "aot_eager"})  # fsdp_pass line 1
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = prepare(accelerator, model, opt)  # fsdp_pass line 2
+    per_rank = GLOBAL_BATCH // MICRO // world
+
+    def run_step(step: int) -> float:
+        total = torch.zeros(())
+        for micro in range(MICRO):
+            tokens = _batch(step, micro)[rank * per_rank:(rank + 1) * per_rank]
+            with accelerator.accumulate(model):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                accelerator.backward(loss)
+                if micro < MICRO - 1 and step > 0:  # accumulating: nothing reduce-scattered yet
+                    assert all(b.pending_bytes > 0 for b in buffers_of(model) if b.shard.requires_grad)
+                if accelerator.sync_gradients:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                    assert torch.isfinite(norm)
+                opt.step()
+                opt.zero_grad()
+            total += loss.detach() / MICRO
+        dist.all_reduce(total)
+        return total.item() / world
+
+    losses = [run_step(step) for step in range(3)]
+    accelerator.save_state(os.path.join(tmp, "state"))
+    losses += [run_step(step) for step in range(3, STEPS)]
+    trained = {n: p.full_tensor() for n, p in model.named_parameters()}
+    accelerator.save_model(model, os.path.join(tmp, "model"))
+    accelerator.load_state(os.path.join(tmp, "state"))  # back to step 3, then the same steps again
+    resumed = [run_step(step) for step in range(3, STEPS)]
+    again = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        assert resumed == losses[3:], (resumed, losses[3:])
+        for name, value in trained.items():
+            assert torch.equal(again[name], value), f"{name} differs after load_state and the same steps"
+        saved = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "model"))
+        for name, p in saved.named_parameters():
+            assert torch.equal(p, trained[name]), f"{name} saved by save_model differs"
+    return {"losses": losses, "params": trained}
+
+
+def test_accelerate_trains_saves_and_resumes_like_one_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_distributed(_accelerate, 2, free_port(), tmp, backend=None)
+    ref_losses, ref_params = _reference()
+    losses, params = results[0]["losses"], results[0]["params"]
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    param_rel = max(_rel(params[n], ref_params[n]) for n in ref_params)
+    print(f"accelerate, 2 ranks: loss rel {loss_rel:.3g}, param rel {param_rel:.3g}")
+    assert loss_rel <= LOSS_TOLERANCE and param_rel <= PARAM_TOLERANCE, (loss_rel, param_rel)
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+
+
+def _lightning_module():
+    import lightning as L
+
+    class LitLlama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _hf_llama()
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            fsdp_pass.fully_shard(self.model, mesh)  # fsdp_pass line 1
+            self.model.compile(backend="vescale", options={"mesh": mesh, "compiler": "aot_eager"})  # fsdp_pass line 2
+
+        def training_step(self, tokens, index):
+            return self.model(input_ids=tokens, labels=tokens).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    return LitLlama()
+
+
+def _lightning_trainer(steps: int, tmp: str, distributed_checkpoint: bool = True):
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return L.Trainer(accelerator="cpu", devices=2, num_nodes=1, max_steps=steps,
+                     strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                    save_distributed_checkpoint=distributed_checkpoint),
+                     accumulate_grad_batches=MICRO, gradient_clip_val=CLIP, use_distributed_sampler=False,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp)
+
+
+def _rank_batches(rank: int, world: int, steps: int) -> list[torch.Tensor]:
+    """This rank's part of every micro-batch, in the order the reference takes them."""
+    per_rank = GLOBAL_BATCH // MICRO // world
+    return [_batch(step, micro)[rank * per_rank:(rank + 1) * per_rank] for step in range(steps) for micro in range(MICRO)]
+
+
+def _lightning(rank: int, world: int, port: int, tmp: str) -> dict:
+    set_launcher_env(rank, world, port)
+    from torch.utils.data import DataLoader
+
+    def loader(first_step: int = 0):
+        return DataLoader(_rank_batches(rank, world, STEPS)[first_step * MICRO:], batch_size=None)
+
+    # 3 steps, both checkpoint kinds, then 3 more; a second run resumes from the distributed checkpoint.
+    lit = _lightning_module()
+    trainer = _lightning_trainer(3, tmp)
+    trainer.fit(lit, loader())
+    sharded_path, full_path = os.path.join(tmp, "step3"), os.path.join(tmp, "step3_full.ckpt")
+    trainer.save_checkpoint(sharded_path)
+    trainer.strategy._save_distributed_checkpoint = False  # the same run, saved as one full file
+    trainer.save_checkpoint(full_path)
+    step3 = {n: p.full_tensor() for n, p in lit.model.named_parameters()}
+    trainer = _lightning_trainer(STEPS, tmp)
+    trainer.fit(lit, loader(3), ckpt_path=sharded_path)  # continues the same module to step 6
+    trained = {n: p.full_tensor() for n, p in lit.model.named_parameters()}
+
+    resumed_module = _lightning_module()
+    trainer = _lightning_trainer(STEPS, tmp)
+    trainer.fit(resumed_module, loader(3), ckpt_path=sharded_path)  # a fresh module from the checkpoint
+    resumed = {n: p.full_tensor() for n, p in resumed_module.model.named_parameters()}
+    if rank == 0:
+        for name, value in trained.items():
+            assert torch.equal(resumed[name], value), f"{name}: the resumed run differs"
+        from transformers import LlamaForCausalLM
+
+        plain = LlamaForCausalLM(_hf_llama().config)
+        state = torch.load(full_path, weights_only=False)["state_dict"]
+        plain.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+        for name, p in plain.named_parameters():
+            assert torch.equal(p, step3[name]), f"{name} in the full checkpoint differs"
+    return {"params": trained}
+
+
+def test_lightning_model_parallel_strategy_trains_checkpoints_and_resumes_like_one_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_distributed(_lightning, 2, free_port(), tmp, backend=None)
+    _, ref_params = _reference()
+    params = results[0]["params"]
+    param_rel = max(_rel(params[n], ref_params[n]) for n in ref_params)
+    print(f"Lightning ModelParallelStrategy, 2 ranks: param rel {param_rel:.3g}")
+    assert param_rel <= PARAM_TOLERANCE, param_rel
