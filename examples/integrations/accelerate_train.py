@@ -43,7 +43,9 @@ def main() -> None:
         if accelerator.sync_gradients:
             accelerator.print(f"step {(i + 1) // 2}: loss {loss.item():.4f}, grad norm {norm.item():.3f}")
     accelerator.save_state(os.path.join(args.out, "state"))            # whole tensors, loadable at any size
-    accelerator.save_model(model, os.path.join(args.out, "model"))     # LlamaForCausalLM.from_pretrained reads it
+    accelerator.save_model(model, os.path.join(args.out, "model"))     # whole weights, safetensors
+    if accelerator.is_main_process:                                    # from_pretrained needs the config too
+        model.config.save_pretrained(os.path.join(args.out, "model"))
 
 
 if __name__ == "__main__":
