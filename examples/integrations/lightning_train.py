@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/integrations/lightning_train.py
 
-Lightning's own Trainer (gradient clipping, accumulation, distributed and full checkpoints); the two
-lines marked "fsdp_pass" in configure_model are all it takes. See docs/integrations.md.
+Lightning's own Trainer (gradient clipping, accumulation, distributed and full checkpoints); the
+lines marked "fsdp_pass" are all it takes. See docs/integrations.md.
 """
 
 import argparse
@@ -11,11 +11,11 @@ import os
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fsdp_pass
+from fsdp_pass.integrations.lightning import ModelParallelStrategy   # fsdp_pass: loads its checkpoints too
 
 
 class LitLlama(L.LightningModule):
@@ -48,7 +48,7 @@ def main() -> None:
     torch.manual_seed(0)
     data = torch.randint(0, 256, (args.steps * 2 * world, 4, 32), generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(accelerator="cpu" if not torch.cuda.is_available() else "gpu", devices=world,
-                        max_steps=args.steps, strategy=ModelParallelStrategy(data_parallel_size=world),
+                        max_steps=args.steps, strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_checkpointing=False)
     trainer.fit(LitLlama(), DataLoader(list(data), batch_size=None))
     trainer.save_checkpoint(os.path.join(args.out, "sharded"))                 # DCP: resume at any world size
