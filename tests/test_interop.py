@@ -371,13 +371,14 @@ def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
     torch._dynamo.reset()
     results = {
         "meta_flow": _meta_flow(rank, world),
-        "to_after_sharding": _to_after_sharding(rank, world),
-        "divide_factor": _divide_factor(rank, world),
-        "no_sync_first": _no_sync_before_first_call(rank, world),
         "state_dict_api": _state_dict_api(rank, world, tmp),
         "split_state_dict_hook": _split_state_dict_hook(rank, world, tmp),
     }
-    if world == 4:
+    if world == 2:  # training after the call: the 2-rank case; 4 ranks add HSDP
+        results["to_after_sharding"] = _to_after_sharding(rank, world)
+        results["divide_factor"] = _divide_factor(rank, world)
+        results["no_sync_first"] = _no_sync_before_first_call(rank, world)
+    else:
         results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))
     return results
 
