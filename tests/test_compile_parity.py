@@ -61,15 +61,19 @@ def hf_case(compiler: str, steps: int = 10) -> Case:
                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
 
 
-def _run_cases(rank: int, world: int, names: list[str], mesh_shape=None) -> None:
+def _run_cases(rank: int, world: int, names: list[str], mesh_shape=None, hsdp_names: tuple[str, ...] = ()) -> None:
+    """``names`` on ``mesh_shape`` (None: all ranks flat), then ``hsdp_names`` on a 2x2 mesh in the same processes."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
     cases = {c.name: c for c in _all_cases()}
-    for name in names:
-        result = run_case(cases[name], rank, world, mesh=mesh)
-        if rank == 0:
-            print(f"[{world} ranks, mesh {mesh_shape}] {name}: {result}")
+    for shape, chosen in ((mesh_shape, names), ((2, 2), hsdp_names)):
+        if not chosen:
+            continue
+        mesh = init_device_mesh("cpu", shape) if shape else None
+        for name in chosen:
+            result = run_case(cases[name], rank, world, mesh=mesh)
+            if rank == 0:
+                print(f"[{world} ranks, mesh {shape}] {name}: {result}")
 
 
 def _all_cases() -> list[Case]:
@@ -91,21 +95,24 @@ def test_single_process_without_process_group():
         run_case(case, 0, 1)
 
 
+def _llama(compiler: str) -> list[str]:
+    return [c.name for c in _all_cases() if c.name.startswith("llama(experts=0)/" + compiler + "/{}")]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_aot_eager(world):
+    """4 ranks also run the llama on a 2x2 HSDP mesh; reshard_after_forward=False runs on 2 ranks only."""
     names = [c.name for c in _all_cases() if "aot_eager" in c.name]
-    run_distributed(_run_cases, world, names)
+    if world == 4:
+        names = [n for n in names if "False" not in n]
+    run_distributed(_run_cases, world, names, None, tuple(_llama("aot_eager")) if world == 4 else ())
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_parity_inductor(world):
-    names = [c.name for c in _all_cases() if "inductor" in c.name]
-    if world == 4:  # four Inductor compiles per case on two cores: our llama only (transformers' Llama
-        names = [n for n in names if n.startswith("llama")]  # runs under Inductor on 2 ranks, aot_eager on 4)
-    run_distributed(_run_cases, world, names)
+def test_parity_inductor_2_ranks():
+    run_distributed(_run_cases, 2, [c.name for c in _all_cases() if "inductor" in c.name])
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_parity_hsdp_2x2(compiler):
-    names = [c.name for c in _all_cases() if c.name.startswith("llama(experts=0)/" + compiler + "/{}")]
-    run_distributed(_run_cases, 4, names, (2, 2))
+def test_parity_inductor_4_ranks_flat_and_2x2_hsdp():
+    """Our llama on 4 ranks, flat then HSDP, in one process group: the second compile finds the
+    first one's kernels in Inductor's cache (four Inductor compiles per case on two cores)."""
+    run_distributed(_run_cases, 4, _llama("inductor"), None, tuple(_llama("inductor")))

@@ -201,8 +201,9 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
     assert "Shard(" in text and "RaggedShard(" in text
 
 
+# TP x FSDP under Inductor runs in tests/test_tp_replicate.py (with sequence-parallel norms and Replicate() biases).
 @pytest.mark.parametrize("case,compiler", [
-    ("tp2_fsdp2", "aot_eager"), ("tp2_fsdp2", "inductor"),
+    ("tp2_fsdp2", "aot_eager"),
     ("ep2_fsdp2", "aot_eager"), ("ep2_fsdp2", "inductor"),
     ("hsdp2_ep2", "aot_eager"),
 ])

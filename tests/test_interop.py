@@ -137,7 +137,7 @@ def _meta_flow(rank: int, world: int) -> dict:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.full_tensor(), q), name
     assert torch.equal(model.freqs, reference.freqs)
-    return _train_both(model, reference, rank, world, steps=2)
+    return _train_both(model, reference, rank, world, steps=2) if world == 2 else {}
 
 
 def _train_both(model: nn.Module, reference: nn.Module, rank: int, world: int, steps: int = 3,
