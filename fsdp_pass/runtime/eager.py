@@ -9,16 +9,16 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
 
 * forward: dispatch runs the op on the parameters' whole values. :func:`whole_parameter` all-gathers
   the parameter's bucket (in the compiled graphs' ``mp_policy`` param_dtype, so an eager head on a
-  compiled body's output computes in the same dtype) and keeps the last gathered bucket, keyed by the shard's version counter
-  (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
+  compiled body's output computes in the same dtype) and keeps the last gathered bucket, keyed by
+  the shard's version counter (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
   a module unit cost one all-gather, and an eager forward holds the shards plus one gathered bucket
   (two while the next is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd
   records the op with the sharded parameter as its input and saves that (a piece), not the
   gathered copy, and backward gathers again where its formulas need the weight.
 * backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
   (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
-  ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds this rank's piece into the bucket's
-  gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
+  ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds
+  this rank's piece into the bucket's gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
   correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
   once per bucket).
 
@@ -54,12 +54,12 @@ def is_eager_gatherable(t: torch.Tensor) -> bool:
 def whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
     """The whole value of sharded parameter ``p``: a view of its bucket, gathered at most once per version."""
     buf, name = bucket_of(p)
-    check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
     key, version = id(buf), buf.shard._version
     entry = _gathered.get(key)
     if entry is not None and entry[0]() is buf and entry[1] == version:
         _gathered.move_to_end(key)
         return entry[2][name]
+    check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
     _gathered.pop(key, None)
     while len(_gathered) >= _KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
         _gathered.popitem(last=False)

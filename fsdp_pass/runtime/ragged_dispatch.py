@@ -5,8 +5,8 @@ Each rank holds one flat range of a tensor, so an op runs on the pieces only whe
 * elementwise ops (``torch.Tag.pointwise``, in-place and ``out=`` forms, ``*_like``, ``clone``,
   ``detach``, ``zero_``, ``fill_``, ``copy_``, ``_to_copy``), ``_foreach_*`` ops and the fused
   optimizer kernels, between tensors of one layout and Python scalars or 0-dim plain tensors;
-* full reductions (vector norms, ``sum``, ``max``/``min``, ``any``/``all``, ``dot``): reduce the piece, then
-  all-reduce over the mesh dim; the result is a plain, replicated tensor;
+* full reductions (vector norms, ``sum``, ``max``/``min``, ``any``/``all``, ``dot``): reduce the
+  piece, then all-reduce over the mesh dim; the result is a plain, replicated tensor;
 * in-place random fills (``normal_``, ``uniform_``, ...): the whole tensor is drawn, the piece kept;
 * ops that keep the row-major flat order, on tensors that are not parameters (state-dict values,
   gradients): ``view``/``reshape`` (the same piece under another shape) and ``split``/``chunk``/
@@ -584,11 +584,11 @@ def _part(x: RaggedShardTensor, start: int, end: int, shape: Sequence[int]) -> R
             f"cannot split or reshape the RaggedShard local tensor of a tensor/expert-parallel DTensor "
             f"({spec.describe()}); {_FULL_TENSOR_HINT}"
         )
-    mine, lo = spec.local_range
-    a, b = min(max(start, mine), lo), min(max(end, mine), lo)
+    held_start, held_end = spec.local_range  # this rank's piece in the flat tensor
+    a, b = (min(max(v, held_start), held_end) for v in (start, end))
     placement = spec.placement if (start, end) == (0, x.numel()) else spec.placement.sub_range(start, end)
-    return RaggedShardTensor(x._local[a - mine:b - mine], RaggedSpec(torch.Size(shape), placement, spec.mesh,
-                                                                     spec.mesh_dim))
+    piece = x._local[a - held_start:b - held_start]
+    return RaggedShardTensor(piece, RaggedSpec(torch.Size(shape), placement, spec.mesh, spec.mesh_dim))
 
 
 def _view(call: _OpCall) -> RaggedShardTensor:
@@ -597,7 +597,9 @@ def _view(call: _OpCall) -> RaggedShardTensor:
         known = math.prod(s for s in size if s != -1)
         size[size.index(-1)] = x.numel() // known if known else 0
     if math.prod(size) != x.numel():
-        raise RuntimeError(f"shape {size} is invalid for a RaggedShardTensor of {x.numel()} elements ({x._spec.describe()})")
+        raise RuntimeError(
+            f"shape {size} is invalid for a RaggedShardTensor of {x.numel()} elements ({x._spec.describe()})"
+        )
     return _part(x, 0, x.numel(), size)
 
 
