@@ -148,14 +148,26 @@ def _peak_allocated_bytes(prof) -> int:
     return max(total for _, _, total in records) - start
 
 
+_GLOO_WORKER_THREADS = dist.ProcessGroupGloo._Options()._threads  # 2: the default the tests run with
+
+
 def _eager_peak_memory(rank: int, world: int) -> None:
-    """An eager forward holds the shards plus about two gathered buckets, never the whole model."""
+    """An eager forward holds a bounded number of gathered buckets, never the whole model.
+
+    Ours: the kept bucket is freed before the next is gathered, so one at a time. gloo's: its
+    ``_allgather_base`` gathers into a flat staging copy of the output (one more bucket), and each of
+    its worker threads (``_GLOO_WORKER_THREADS``) keeps its last finished work, which holds that
+    work's output, until the thread runs again; on 2 busy cores that is sometimes after the next gather has begun (seen: peaks
+    of 2, 3 and 4 buckets, and always 2 with a 5 ms pause after each gather). So the bound is
+    1 + 1 + 2 buckets plus activations, and the model is made large enough that holding it whole
+    would exceed that.
+    """
     from fsdp_pass.runtime import eager
     from fsdp_pass.runtime.dbuffer import bucket_of
 
-    cfg = LlamaConfig(dim=64, ffn=128, layers=6, vocab=64, tie_embeddings=False)
+    cfg = LlamaConfig(dim=64, ffn=128, layers=10, vocab=64, tie_embeddings=False)
     model = init_std(Llama(cfg))
-    fsdp_pass.fully_shard(model, min_bucket_bytes=0)  # one bucket per unit: embedding, 6 layers, norm, head
+    fsdp_pass.fully_shard(model, min_bucket_bytes=0)  # one bucket per unit: embedding, 10 layers, norm, head
     buffers = {id(b): b for b in (bucket_of(p)[0] for p in model.parameters())}.values()
     whole_bytes = [b.layout.shard_size * WORLD * b.dtype.itemsize for b in buffers]
     largest = max(whole_bytes)
@@ -166,8 +178,9 @@ def _eager_peak_memory(rank: int, world: int) -> None:
     peak = _peak_allocated_bytes(prof)
     print(f"rank {rank}: eager forward peak {peak / 2**10:.0f} KiB; largest bucket {largest / 2**10:.0f} KiB; "
           f"whole model {sum(whole_bytes) / 2**10:.0f} KiB")
-    assert peak <= 2 * largest + 256 * 2**10, (peak, largest)  # two buckets plus activations of one token row
-    assert sum(whole_bytes) > 2 * largest + 256 * 2**10  # the whole model would not fit that bound
+    bound = (1 + 1 + _GLOO_WORKER_THREADS) * largest + 256 * 2**10  # activations of one token row: < 256 KiB
+    assert peak <= bound, (peak, largest)
+    assert sum(whole_bytes) > bound  # the whole model would not fit that bound
 
 
 def test_eager_forward_gathers_one_bucket_at_a_time():
