@@ -157,10 +157,10 @@ def _eager_peak_memory(rank: int, world: int) -> None:
     Ours: the kept bucket is freed before the next is gathered, so one at a time. gloo's: its
     ``_allgather_base`` gathers into a flat staging copy of the output (one more bucket), and each of
     its worker threads (``_GLOO_WORKER_THREADS``) keeps its last finished work, which holds that
-    work's output, until the thread runs again; on 2 busy cores that is sometimes after the next gather has begun (seen: peaks
-    of 2, 3 and 4 buckets, and always 2 with a 5 ms pause after each gather). So the bound is
-    1 + 1 + 2 buckets plus activations, and the model is made large enough that holding it whole
-    would exceed that.
+    work's output, until the thread runs again; on 2 busy cores that is sometimes after the next
+    gather has begun (seen: peaks of 2, 3 and 4 buckets, and always 2 with a 5 ms pause after each
+    gather). So the bound is 1 + 1 + 2 buckets plus activations, and the model is made large enough
+    that holding it whole would exceed that.
     """
     from fsdp_pass.runtime import eager
     from fsdp_pass.runtime.dbuffer import bucket_of
