@@ -1,4 +1,5 @@
-"""The frameworks people train in, run for real on 2 gloo ranks: accelerate (docs/integrations.md).
+"""The frameworks people train in, run for real on 2 gloo ranks: accelerate, Lightning, Hugging Face Trainer
+(docs/integrations.md).
 
 Each framework's own loop against one process on the same global batch: AdamW with clipping,
 gradient accumulation without per-micro-batch reduce-scatters, the framework's saves loaded into
@@ -38,11 +39,14 @@ def _batch(step: int, micro: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (GLOBAL_BATCH // MICRO, SEQ), generator=g)
 
 
-def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the global batch: each micro-batch's mean loss / MICRO, clipped AdamW."""
+def _reference(steps: int = STEPS, weight_decay: float = 0.01) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch: each micro-batch's mean loss / MICRO, clipped AdamW.
+
+    Returns each step's loss and gradient norm (before clipping) and the trained parameters.
+    """
     model = _hf_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
+    losses, norms = [], []
     for step in range(steps):
         total = 0.0
         for micro in range(MICRO):
@@ -50,11 +54,11 @@ def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]
             loss = model(input_ids=tokens, labels=tokens).loss / MICRO
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,12 +121,17 @@ def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
     return _parity(losses, trained)
 
 
-def _parity(losses: list[float] | None, params: dict[str, torch.Tensor]) -> dict[str, float]:
+def _parity(losses: list[float] | None, params: dict[str, torch.Tensor], grad_norms: list[float] | None = None,
+            weight_decay: float = 0.01) -> dict[str, float]:
     """Worst relative differences from one process (numbers: tensors do not cross the pipe of a finished rank)."""
-    ref_losses, ref_params = _reference()
+    ref_losses, ref_norms, ref_params = _reference(weight_decay=weight_decay)
     result = {"param_rel": max(_rel(params[n], ref_params[n]) for n in ref_params)}
     if losses is not None:
+        assert len(losses) == len(ref_losses), (losses, ref_losses)
         result["loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    if grad_norms is not None:
+        assert len(grad_norms) == len(ref_norms), (grad_norms, ref_norms)
+        result["grad_norm_rel"] = max(abs(a - b) / abs(b) for a, b in zip(grad_norms, ref_norms))
     return result
 
 
@@ -220,3 +229,84 @@ def test_lightning_model_parallel_strategy_trains_checkpoints_and_resumes_like_o
         result = run_distributed(_lightning, 2, free_port(), tmp, backend=None)[0]
     print(f"Lightning ModelParallelStrategy, 2 ranks: {result}")
     assert result["param_rel"] <= PARAM_TOLERANCE, result
+
+
+# -- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+def _trainer_dataset() -> list[dict[str, torch.Tensor]]:
+    """Every micro-batch of every step, in order: with the sequential sampler and ``GLOBAL_BATCH // MICRO // world``
+    rows per device, accelerate hands rank r the r-th slice of each global micro-batch, as the reference takes it."""
+    rows = torch.cat([_batch(step, micro) for step in range(STEPS) for micro in range(MICRO)])
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def _trainer_arguments(out: str, world: int, **overrides):
+    from transformers import TrainingArguments
+
+    settings = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=GLOBAL_BATCH // MICRO // world,
+                    gradient_accumulation_steps=MICRO, learning_rate=LR, lr_scheduler_type="constant",
+                    weight_decay=0.0, max_grad_norm=CLIP, num_train_epochs=1, logging_steps=1,
+                    save_strategy="steps", save_steps=3, train_sampling_strategy="sequential", report_to="none",
+                    disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def _hf_trainer(rank: int, world: int, port: int, tmp: str) -> dict:
+    set_launcher_env(rank, world, port)
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM, TrainerCallback
+
+    from fsdp_pass.integrations.transformers import Trainer
+
+    data = _trainer_dataset()
+    accumulating = []  # per micro-batch but the last of a step: whether every bucket still holds its gradients
+
+    class Accumulating(TrainerCallback):
+        def on_substep_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step > 0:
+                accumulating.append(all(b.pending_bytes > 0 for b in buffers_of(model) if b.shard.requires_grad))
+
+    def compiled_llama():
+        model = _hf_llama()
+        model.compile(backend="vescale", options={"compiler": "aot_eager"})  # fsdp_pass line 1
+        return model
+
+    # The natural mistakes fail at once, naming the recipe.
+    with pytest.raises(ValueError, match="torch_compile_backend='vescale'.*model.compile"):
+        Trainer(model=compiled_llama(), args=_trainer_arguments(tmp, world, torch_compile_backend="vescale"))
+    with pytest.raises(ValueError, match="not torch.compile's wrapper"):
+        Trainer(model=torch.compile(_hf_llama(), backend="vescale"), args=_trainer_arguments(tmp, world))
+    with pytest.raises(ValueError, match="neither compiled in place"):
+        Trainer(model=_hf_llama(), args=_trainer_arguments(tmp, world))
+
+    def train(out: str, resume: str | None = None):
+        trainer = Trainer(model=compiled_llama(), args=_trainer_arguments(out, world), train_dataset=data,
+                          callbacks=[Accumulating()])  # fsdp_pass line 2: the Trainer class
+        trainer.train(resume_from_checkpoint=resume)
+        assert dist.get_world_size() == world
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        params = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+        return trainer, [e["loss"] for e in logs], [e["grad_norm"] for e in logs], params
+
+    trainer, losses, norms, trained = train(os.path.join(tmp, "run"))  # saves checkpoint-3 and checkpoint-6
+    trainer.save_model(os.path.join(tmp, "model"))
+    _, resumed_losses, resumed_norms, resumed = train(os.path.join(tmp, "resumed"),
+                                                      resume=os.path.join(tmp, "run", "checkpoint-3"))
+    assert accumulating and all(accumulating), accumulating
+    if rank == 0:
+        assert resumed_losses == losses and resumed_norms == norms, (resumed_losses, losses)
+        for name, value in trained.items():
+            assert torch.equal(resumed[name], value), f"{name}: the run resumed from checkpoint-3 differs"
+        saved = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "model"))
+        for name, p in saved.named_parameters():
+            assert torch.equal(p, trained[name]), f"{name} saved by save_model differs"
+    return _parity(losses, trained, grad_norms=norms, weight_decay=0.0)
+
+
+def test_hf_trainer_trains_saves_and_resumes_like_one_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_distributed(_hf_trainer, 2, free_port(), tmp, backend=None)[0]
+    print(f"Hugging Face Trainer, 2 ranks: {result}")
+    assert result["loss_rel"] <= LOSS_TOLERANCE and result["param_rel"] <= PARAM_TOLERANCE, result
+    assert result["grad_norm_rel"] <= PARAM_TOLERANCE, result
