@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .runtime.ragged_tensor import RaggedShardTensor, local_block
+from .runtime.ragged_tensor import RaggedShardTensor, local_block, whole_tensor
 
 __all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type", "whole_tensor"]
 
@@ -66,19 +66,6 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offloa
         if keep:
             out[name] = whole.cpu() if cpu_offload else whole
     return out
-
-
-def whole_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The global value of a sharded tensor: FSDP's pieces gathered first, then the TP/EP blocks.
-
-    Gathering the local tensor first also serves ``Replicate()`` DTensors, whose ``full_tensor()``
-    issues no collective and would hand back the RaggedShard piece.
-    """
-    if isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor):
-        local = t._local_tensor.full_tensor()
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride()).full_tensor()
-    return t.full_tensor()
 
 
 def _first_rank_of_model(module: nn.Module) -> bool:

@@ -1,9 +1,12 @@
 """What frameworks call on a sharded model: ``Module._apply``, FSDP2's meta-device flow, in-place
-init ops, the gradient divide factor, settings made before sharding, wrappers and stale meshes.
+init ops, the gradient divide factor, settings made before sharding, wrappers and stale meshes,
+torch's state-dict API (with fsdp_pass's own optimizers too), ``full_tensor``/``redistribute`` of
+FSDP-over-TP parameters, and storage-based savers.
 
 One spawned process group per world size runs every multi-rank case ([Note: Module._apply on
 sharded parameters], [Note: buffers left on the meta device], [Note: settings recorded before
-sharding], [Note: wrappers around a sharded model]).
+sharding], [Note: wrappers around a sharded model], [Note: DTensors over RaggedShard local tensors],
+[Note: storage of a sharded tensor]).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import re
 import tempfile
 
 import pytest
@@ -20,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
+from fsdp_pass.optim import AdamW8bit, Muon, muon_param_groups
 from fsdp_pass.runtime.dbuffer import buffers_of, is_sharded
 from fsdp_pass.state_dict import whole_tensor
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss, random_tokens
@@ -366,6 +371,191 @@ def _split_state_dict_hook(rank: int, world: int, tmp: str) -> None:
             assert torch.equal(plain[f"w{name}.weight"], part.view(2, 6, 16)), name
 
 
+def _blockwise_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """fsdp_pass's own optimizers, built before sharding: Muon on the hidden matrices, AdamW8bit (8-bit
+    moments for the embedding, float32 for the norms) on the rest."""
+    matrices, rest = muon_param_groups(model, exclude=("tok_embeddings", "output"))
+    return [Muon([p for _, p in matrices], lr=0.02, ns_dtype=torch.float32),
+            AdamW8bit([p for _, p in rest], lr=1e-2, block_size=32, min_8bit_size=64)]
+
+
+def _blockwise_step(model: nn.Module, optimizers, rank: int, world: int, step: int) -> None:
+    per_rank = 8 // world
+    tokens = random_tokens(CFG, 8, seed=40 + step)[rank * per_rank:(rank + 1) * per_rank]
+    lm_loss(model(tokens), tokens).backward()
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
+def _blockwise_state_dicts(rank: int, world: int, tmp: str) -> dict:
+    """Muon and AdamW8bit through torch's state-dict API with full_state_dict: whole states keyed by
+    parameter names. 2 ranks: save after 2 eager steps; a fresh model and optimizers load the file and
+    step 3 equals the uninterrupted step 3 bit for bit. 4 ranks: load the 2-rank file (broadcast from
+    rank 0) into another layout; the states read back equal the file's element by element, and step 3
+    matches the 2-rank one (the test then loads the file on one process)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict, set_state_dict)
+
+    def fresh() -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        model = init_std(Llama(CFG))
+        optimizers = _blockwise_optimizers(model)
+        return fsdp_pass.fully_shard(model), optimizers
+
+    def check_read_back(model, optimizers, saved) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True))
+        assert model_sd.keys() == saved["model"].keys()
+        assert all(torch.equal(model_sd[n], v) for n, v in saved["model"].items())
+        assert optim_sd["state"].keys() == saved["optim"]["state"].keys()
+        for name, state in saved["optim"]["state"].items():
+            assert optim_sd["state"][name].keys() == state.keys(), name
+            for key, value in state.items():
+                got = optim_sd["state"][name][key]
+                same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+                assert same and not isinstance(got, fsdp_pass.RaggedShardTensor), f"{name}.{key}"
+        assert [g["ns_dtype"] for g in optim_sd["param_groups"] if "ns_dtype" in g] == ["float32"]
+
+    path = os.path.join(tmp, "blockwise_from_2.pt")
+    model, optimizers = fresh()
+    if world == 2:
+        for step in range(2):
+            _blockwise_step(model, optimizers, rank, world, step)
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True))
+        names = {n for n, _ in model.named_parameters()}
+        assert set(optim_sd["state"]) == names, sorted(set(optim_sd["state"]) ^ names)  # keyed like torch's
+        codes = optim_sd["state"]["tok_embeddings.weight"]
+        assert codes["exp_avg"].dtype == torch.uint8 and codes["exp_avg_absmax"].shape == (CFG.vocab * CFG.dim // 32,)
+        saved = {"model": model_sd, "optim": optim_sd}
+        if rank == 0:
+            torch.save(saved, path)
+        _blockwise_step(model, optimizers, rank, world, 2)  # uninterrupted
+        uninterrupted = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(uninterrupted, os.path.join(tmp, "blockwise_step3.pt"))
+        dist.barrier()
+        model, optimizers = fresh()  # resumed at the same world size: bit for bit
+        set_state_dict(model, optimizers, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+        check_read_back(model, optimizers, saved)
+        _blockwise_step(model, optimizers, rank, world, 2)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), uninterrupted[name]), f"{name} differs after resuming"
+        return {"resumed_equal": True}
+    saved = torch.load(path)  # 4 ranks: another layout, rank 0's file broadcast
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # Separate calls: set_state_dict reads an empty model dict (the other ranks') as "optimizer only".
+    set_model_state_dict(model, saved["model"] if rank == 0 else {}, options=broadcast)
+    set_optimizer_state_dict(model, optimizers, saved["optim"] if rank == 0 else {}, options=broadcast)
+    check_read_back(model, optimizers, saved)
+    _blockwise_step(model, optimizers, rank, world, 2)
+    uninterrupted = torch.load(os.path.join(tmp, "blockwise_step3.pt"))
+    worst = max(_rel(p.full_tensor(), uninterrupted[n]) for n, p in model.named_parameters())
+    assert worst <= TOLERANCE, worst
+    return {"step3_rel_vs_2_ranks": worst}
+
+
+class TinyTP(nn.Module):
+    """A sequence-parallel norm (Replicate weight and bias), a column-parallel and a row-parallel
+    linear (Replicate bias), and a plain head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 24)
+        self.down = nn.Linear(24, 16)
+        self.head = nn.Linear(16, 3)
+
+
+def _tp_whole_tensors(rank: int, world: int) -> dict:
+    """FSDP over TP (dp=2 x tp=2): full_tensor, redistribute to Replicate and the full state dict give
+    whole tensors equal to one process's on every rank, ``Replicate()`` parameters included."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TinyTP()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize_module(model, mesh["tp"], {"norm": SequenceParallel(), "up": ColwiseParallel(),
+                                           "down": RowwiseParallel()})
+    fsdp_pass.fully_shard(model, mesh, shard_dim="dp")
+    replicated, empty = [], 0
+    for name, p in model.named_parameters():
+        assert is_sharded(p), name
+        if isinstance(p, DTensor):
+            if all(isinstance(pl, Replicate) for pl in p.placements):
+                replicated.append(name)
+                empty += p._local_tensor.to_local().numel() == 0
+            assert p.to_local()._local is p._local_tensor._local, name  # to_local: the piece, no gather
+            target = p.redistribute(p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+        else:
+            target = p.redistribute(placements=[Replicate()])
+        whole = p.full_tensor()
+        assert type(whole) is torch.Tensor and torch.equal(whole, reference[name]), name
+        assert torch.equal(target.to_local(), reference[name]), name
+    assert sorted(replicated) == ["down.bias", "norm.bias", "norm.weight"], replicated
+    full = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(model, options=full)
+    assert state.keys() == reference.keys()
+    for name, value in state.items():
+        assert type(value) is torch.Tensor and torch.equal(value, reference[name]), name
+    other = {n: torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for i, (n, v) in
+             enumerate(reference.items())}
+    set_model_state_dict(model, dict(other), options=full)  # torch puts the local values into the dict it gets
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), other[name]), name
+    return {"replicated": len(replicated), "empty_replicated_pieces_here": empty}
+
+
+def _save_pretrained_sharded(rank: int, world: int, tmp: str) -> dict:
+    """Storage-based saving of a sharded Hugging Face model: refused with the fix, nothing written;
+    after set_state_dict_type(model, "full") save_pretrained writes whole tensors from_pretrained reads."""
+    import glob
+
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    config = HFLlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fsdp_pass.fully_shard(model)
+    out = os.path.join(tmp, f"pretrained_{world}")
+    calls = {"save_pretrained": lambda: model.save_pretrained(out),
+             "safetensors": lambda: safetensors.torch.save_model(model, os.path.join(tmp, f"st_{rank}.safetensors")),
+             "untyped_storage": model.model.norm.weight.untyped_storage,
+             "storage of a state_dict value": lambda: model.state_dict()["model.norm.weight"].storage()}
+    for what, call in calls.items():
+        try:
+            call()
+        except RuntimeError as e:
+            message = str(e)
+            assert "is sharded" in message and "fsdp_pass.set_state_dict_type(model, 'full')" in message, (what, e)
+            named = r"parameter 'model\.[\w.]+' is sharded \(shape \(\d+(, \d+)*,?\), RaggedShard"
+            assert re.search(named, message), (what, e)
+        else:
+            raise AssertionError(f"{what} on a sharded model did not raise")
+    dist.barrier()
+    assert not glob.glob(os.path.join(out, "*.safetensors")) and not glob.glob(os.path.join(tmp, "st_*")), "shards"
+    fsdp_pass.set_state_dict_type(model, "full")
+    model.save_pretrained(out)  # every rank gathers; rank 0 writes
+    fsdp_pass.set_state_dict_type(model, "sharded")
+    dist.barrier()
+    if rank == 0:
+        loaded = LlamaForCausalLM.from_pretrained(out)
+        for name, p in loaded.named_parameters():
+            assert torch.equal(p, reference[name]), name
+    return {"refused_then_saved_whole": True}
+
+
 def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
     _sharded_before_the_group(rank, world, init_file)
     torch._dynamo.reset()
@@ -374,12 +564,15 @@ def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
         "state_dict_api": _state_dict_api(rank, world, tmp),
         "split_state_dict_hook": _split_state_dict_hook(rank, world, tmp),
     }
+    results["blockwise_state_dicts"] = _blockwise_state_dicts(rank, world, tmp)
     if world == 2:  # training after the call: the 2-rank case; 4 ranks add HSDP
         results["to_after_sharding"] = _to_after_sharding(rank, world)
         results["divide_factor"] = _divide_factor(rank, world)
         results["no_sync_first"] = _no_sync_before_first_call(rank, world)
+        results["save_pretrained"] = _save_pretrained_sharded(rank, world, tmp)
     else:
         results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))
+        results["tp_whole_tensors"] = _tp_whole_tensors(rank, world)
     return results
 
 
@@ -398,3 +591,29 @@ def test_interop_cases_on_2_then_4_ranks():
         tokens = random_tokens(CFG, 8, seed=20)
         lm_loss(plain(tokens), tokens).backward()
         opt.step()  # one process continues from the 4-rank state
+        _blockwise_on_one_process(tmp)
+
+
+def _blockwise_on_one_process(tmp: str) -> None:
+    """The 2-rank Muon + AdamW8bit state through torch's set_state_dict in one process (plain tensors,
+    no process group): read back element by element, and step 3 matches the 2-rank run's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    saved = torch.load(os.path.join(tmp, "blockwise_from_2.pt"))
+    torch.manual_seed(0)
+    model = init_std(Llama(CFG))
+    optimizers = _blockwise_optimizers(model)
+    full = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, optimizers, model_state_dict=dict(saved["model"]), optim_state_dict=saved["optim"],
+                   options=full)
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=full)
+    assert all(torch.equal(model_sd[n], v) for n, v in saved["model"].items())
+    for name, state in saved["optim"]["state"].items():
+        for key, value in state.items():
+            got = optim_sd["state"][name][key]
+            assert (torch.equal(got, value) and got.dtype == value.dtype) if key != "step" else got == value, name
+    _blockwise_step(model, optimizers, 0, 1, 2)
+    uninterrupted = torch.load(os.path.join(tmp, "blockwise_step3.pt"))
+    worst = max(_rel(p, uninterrupted[n]) for n, p in model.named_parameters())
+    print("blockwise one process: step 3 rel vs 2 ranks", worst)
+    assert worst <= TOLERANCE, worst

@@ -15,7 +15,10 @@ which keeps the parameter's whole 8-bit state (see :mod:`fsdp_pass.optim.blockwi
 
 States are RaggedShardTensors: codes in the layout they were computed in (the parameter's, or the
 whole tensor on its root), absmax over ``(blocks,)`` with whole blocks per rank; ``full_tensor()``
-gives the unsharded quantization.
+gives the unsharded quantization. States loaded from a state dict (whole tensors from
+``get_optimizer_state_dict(..., full_state_dict=True)``, or pieces cut to the parameter's layout)
+are moved into the layout the step computes in at the next step, so a run resumed at another
+world size continues bit-exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch.distributed.tensor import DTensor
+
 from ..placement import RaggedShard
-from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec
+from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec, whole_tensor
 from ..blocks import annotate_block
 from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 from .dynamic_code import block_count, dequantize_blockwise, dynamic_code, quantize_blockwise
@@ -102,6 +107,8 @@ class AdamW8bit(BlockwiseOptimizer):
         quantized = _is_8bit(p, group)
         if "exp_avg" not in state:
             _init_moments(state, p.shape, grad, layout, group["block_size"], quantized)
+        else:
+            _relayout_moments(state, p.shape, layout, group["block_size"], quantized)
         if quantized:
             exp_avg, exp_avg_sq = (_load_quantized(state, n, signed, group["block_size"]) for n, signed in MOMENTS)
         else:
@@ -134,6 +141,43 @@ def _init_moments(
         codes, absmax = quantize_blockwise(zeros, dynamic_code(signed), block_size)
         state[name] = _as_state(codes, layout, shape)
         state[name + "_absmax"] = _as_state(absmax, layout, blocks, _block_placement(layout, block_size))
+
+
+def _relayout_moments(state: dict, shape: torch.Size, layout: RaggedSpec | None, block_size: int,
+                      quantized: bool) -> None:
+    """Moments in the layout this step computes in (a no-op for the states a step made).
+
+    A loaded state may be whole (plain), a piece in the parameter's layout while the step computes
+    on a root, or pieces of a tensor-parallel parameter whose math runs on the whole global tensor.
+    Every rank takes the same branch (layouts are global), so the collectives pair up.
+    """
+    blocks = (block_count(math.prod(shape), block_size),)
+    for name, _ in MOMENTS:
+        state[name] = _in_layout(state[name], layout, shape)
+        if quantized:
+            absmax = name + "_absmax"
+            state[absmax] = _in_layout(state[absmax], layout, blocks, _block_placement(layout, block_size))
+
+
+def _in_layout(value: Tensor, layout: RaggedSpec | None, shape: tuple[int, ...],
+               placement: RaggedShard | None = None) -> Tensor:
+    """``value`` as a state of ``shape`` in ``layout`` (``placement`` over its mesh dim; default the layout's)."""
+    if layout is None:
+        if isinstance(value, (RaggedShardTensor, DTensor)):
+            value = whole_tensor(value)
+        return value if tuple(value.shape) == tuple(shape) else value.reshape(shape)
+    placement = placement or layout.placement
+    if isinstance(value, RaggedShardTensor):
+        spec = value._spec
+        same_group = (spec.mesh, spec.mesh_dim, tuple(spec.shape)) == (layout.mesh, layout.mesh_dim, tuple(shape))
+        if same_group and spec.placement == placement:
+            return value
+        if same_group:
+            return value.redistribute(placement)
+    if isinstance(value, (RaggedShardTensor, DTensor)):
+        value = whole_tensor(value)
+    start, end = placement.local_range(layout.rank)
+    return _as_state(value.reshape(-1)[start:end].clone(), layout, shape, placement)
 
 
 def _load_quantized(state: dict, name: str, signed: bool, block_size: int) -> Tensor:

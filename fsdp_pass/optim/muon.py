@@ -87,8 +87,11 @@ class Muon(BlockwiseOptimizer):
             (:func:`muon_param_groups`).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as
             ``torch.optim.Muon`` (``lr`` must be a float).
-        ns_dtype: dtype of the Newton–Schulz iteration. ``torch.bfloat16`` (default) is what
-            ``torch.optim.Muon`` uses; ``torch.float32`` is ~25x faster on CPUs without bf16 matmul.
+        ns_dtype: dtype of the Newton–Schulz iteration (a ``torch.dtype`` or its name).
+            ``torch.bfloat16`` (default) is what ``torch.optim.Muon`` uses; ``torch.float32`` is ~25x
+            faster on CPUs without bf16 matmul. Param groups hold it by name (``"bfloat16"``): an
+            optimizer state dict then holds plain values only, which torch's state-dict utilities
+            (``get_optimizer_state_dict(..., full_state_dict=True)``) require.
     """
 
     blocks_needed = "whole matrices (Muon orthogonalizes each one whole)"
@@ -105,7 +108,7 @@ class Muon(BlockwiseOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"Muon needs lr, momentum, weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
@@ -113,7 +116,7 @@ class Muon(BlockwiseOptimizer):
             raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
-            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
+            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=_dtype_name(ns_dtype),
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -125,9 +128,14 @@ class Muon(BlockwiseOptimizer):
                     )
                 annotate_block(p, elements=p.numel())
 
+    def add_param_group(self, param_group: dict) -> None:
+        if "ns_dtype" in param_group:
+            param_group = {**param_group, "ns_dtype": _dtype_name(param_group["ns_dtype"])}
+        super().add_param_group(param_group)
+
     def _job(self, p: Tensor, group: dict) -> BlockJob:
         update = self._momentum_update(p, group)
-        return BlockJob(p, update.to(group["ns_dtype"]), gradient_layout(p), p.numel(), _ns_cost(p.shape))
+        return BlockJob(p, update.to(_dtype(group["ns_dtype"])), gradient_layout(p), p.numel(), _ns_cost(p.shape))
 
     def _block_math(self, p: Tensor, piece: Tensor, layout, group: dict) -> Tensor:
         return _orthogonalize(piece, p.shape, group)
@@ -150,9 +158,23 @@ def _orthogonalize(piece: Tensor, shape: torch.Size, group: dict) -> Tensor:
     if piece.numel() == 0:
         return piece
     ortho = zeropower_via_newtonschulz(
-        piece.view(shape), group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
+        piece.view(shape), group["ns_steps"], group["ns_coefficients"], group["eps"], _dtype(group["ns_dtype"])
     )
     return ortho.reshape(-1)
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    """A dtype given as a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float32"``)."""
+    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"Muon's ns_dtype must be a floating-point torch.dtype or its name (e.g. 'bfloat16'), got {value!r}"
+        )
+    return dtype
+
+
+def _dtype_name(value: torch.dtype | str) -> str:
+    return str(_dtype(value)).removeprefix("torch.")
 
 
 def _ns_cost(shape: torch.Size) -> float:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from . import collectives, flat_buffers
 from .dbuffer import bucket_of
 from .eager import is_eager_gatherable, whole_parameter
-from .ragged_tensor import RaggedShardTensor, RaggedSpec
+from .ragged_tensor import PARAMETER_NAME, RaggedShardTensor, RaggedSpec
 
 aten = torch.ops.aten
 
@@ -579,6 +579,8 @@ def _fill_randomly(call: _OpCall) -> RaggedShardTensor:
 def _part(x: RaggedShardTensor, start: int, end: int, shape: Sequence[int]) -> RaggedShardTensor:
     """Flat elements ``[start, end)`` of ``x`` as a RaggedShard tensor of ``shape`` (a view of the piece)."""
     spec = x._spec
+    if (start, end) == (0, x.numel()) and tuple(shape) == tuple(spec.shape):
+        return RaggedShardTensor(x._local, spec)  # the same tensor: an alias (DTensor.to_local's view_as)
     if spec.global_shape is not None:
         raise NotImplementedError(
             f"cannot split or reshape the RaggedShard local tensor of a tensor/expert-parallel DTensor "
@@ -639,7 +641,12 @@ def _detach(call: _OpCall) -> RaggedShardTensor:
     """A new wrapper around the same piece. Pieces never require grad, and sharing the piece keeps
     one version counter per bucket shard: writes through ``p.data`` or ``p.detach()`` count too."""
     t = call.bound["self"]
-    return RaggedShardTensor(t._local, t._spec)
+    out = RaggedShardTensor(t._local, t._spec)
+    if not call.pieces_are_fake:  # state_dict() values are detached parameters: messages still name them
+        name = bucket_of(t)[1] if is_eager_gatherable(t) else t.__dict__.get(PARAMETER_NAME)
+        if name is not None:
+            out.__dict__[PARAMETER_NAME] = name
+    return out
 
 
 _SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {

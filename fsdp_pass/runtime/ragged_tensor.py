@@ -12,23 +12,50 @@ raises rather than compute something silently wrong on a piece.
 
 Under ``torch.compile`` the same dispatch runs on fake/functional pieces: elementwise ops trace as
 ops on the locals and reductions as functional collectives in the graph.
+
+[Note: DTensors over RaggedShard local tensors]
+FSDP over TP/EP keeps a parameter a DTensor whose local tensor is a RaggedShardTensor ([Note: FSDP
+over TP/EP] in sharding/materialize.py). torch's ``DTensor.full_tensor()`` and ``redistribute()``
+read the DTensor's placements only: for a ``Replicate()`` parameter (a RowwiseParallel bias, a
+sequence-parallel norm) they issue no collective and would hand back this rank's piece; for
+``Shard`` they gather over the TP/EP dims only. Importing this module wraps both: on real pieces
+they first gather the local tensor whole over FSDP's ranks (one collective; not differentiable),
+then run as before. So ``p.full_tensor()`` and ``p.redistribute(mesh, [Replicate(), ...])`` (what
+torch's state-dict utilities, Hugging Face and checkpointers call) give the whole tensor on every
+rank. Tracing (fake pieces, Dynamo) runs torch's methods unchanged, and ``p.to_local()`` stays the
+RaggedShard local tensor. A plain RaggedShardTensor answers ``redistribute(mesh, [Replicate()])``
+the same way (a replicated DTensor of the whole tensor).
+
+[Note: storage of a sharded tensor]
+A RaggedShardTensor is a wrapper without storage: its data is the piece. Storage-based savers
+(Hugging Face ``save_pretrained`` through ``id_tensor_storage``, ``safetensors.torch.save_model``,
+accelerate's ``save_model``, torchtitan's checkpointer) call ``untyped_storage()`` to find tensors
+that share memory, then save each tensor's data. The piece's storage would be the wrong answer:
+every parameter of a bucket would look like one shared tensor (the savers keep one of them) and the
+data written would be a piece. torch's own answer fails later with "invalid python storage", which
+names no fix. So ``untyped_storage()`` (and ``storage()``, built on it) on a real piece raises a
+``RuntimeError`` naming the parameter (``state_dict()``'s detached values carry its name), its shape
+and the ways to save whole tensors; the savers let it through, so nothing is written. Tracing keeps
+torch's answer, and ``data_ptr()`` stays torch's (0: no data of its own), which ``copy.deepcopy``
+and pickling test for wrapper subclasses.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..placement import RaggedShard, transfer_splits
 from . import checkpoint, collectives
 
-__all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor", "local_block", "ragged_part"]
+__all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor", "local_block", "ragged_part", "whole_tensor"]
 
 
 @dataclass(frozen=True)
@@ -155,12 +182,38 @@ class RaggedShardTensor(torch.Tensor):
         sizes = [spec.placement.local_numel(r) for r in range(spec.world_size)]
         return collectives.all_gather_padded(self._local, sizes, spec.group).view(spec.shape)
 
-    def redistribute(self, placement: RaggedShard) -> "RaggedShardTensor":
-        """The same tensor in another RaggedShard layout over the same mesh dim (not differentiable).
+    def redistribute(
+        self,
+        device_mesh: "DeviceMesh | RaggedShard | None" = None,
+        placements: "Sequence[Placement] | RaggedShard | None" = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The same tensor in another layout (not differentiable). Two forms:
 
-        One uneven ``all_to_all_single`` moves every element straight to its new owner. Returns
-        ``self`` when the layout does not change.
+        * ``redistribute(RaggedShard(...))``: another RaggedShard layout over the same mesh dim. One
+          uneven ``all_to_all_single`` moves every element straight to its new owner; ``self`` when
+          the layout does not change.
+        * ``DTensor.redistribute``'s form, ``redistribute(mesh, [Replicate(), ...])`` (what torch's
+          state-dict utilities and checkpointers call): the whole tensor is gathered and returned as a
+          DTensor with those placements on ``mesh`` (default: this tensor's mesh), so ``.to_local()``
+          of a ``[Replicate(), ...]`` result is the whole tensor on every rank. Without a mesh (one
+          process) the whole tensor itself. ``async_op`` and ``backward_dtype`` change nothing here.
         """
+        if isinstance(device_mesh, RaggedShard) or isinstance(placements, RaggedShard):
+            return self._reshard(device_mesh if isinstance(device_mesh, RaggedShard) else placements)
+        whole = self.full_tensor()
+        if forward_dtype is not None:
+            whole = whole.to(forward_dtype)
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if mesh is None:
+            return whole
+        replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return replicated if placements is None else replicated.redistribute(mesh, placements)
+
+    def _reshard(self, placement: RaggedShard) -> "RaggedShardTensor":
         spec = self._spec
         if placement == spec.placement:
             return self
@@ -168,6 +221,20 @@ class RaggedShardTensor(torch.Tensor):
         send, recv = transfer_splits(spec.placement, placement, spec.rank)
         local = collectives.all_to_all_uneven(self._local, send, recv, spec.group)
         return RaggedShardTensor(local, target)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """Refused on real pieces: a sharded tensor has no storage of its own ([Note: storage of a
+        sharded tensor]). Tracing (fake pieces) keeps torch's answer."""
+        if _is_traced(self._local):
+            return super().untyped_storage()
+        raise RuntimeError(
+            f"{_what(self)} is sharded ({self._spec.describe()}): it has no storage of its own, this rank holds "
+            f"only a flat piece of it, so a storage-based saver (save_pretrained, accelerate's save_model, "
+            f"safetensors) cannot save it whole. Give it whole tensors: call fsdp_pass.set_state_dict_type(model, "
+            f"'full') first (state_dict() then gathers whole tensors; every rank calls it), or pass state_dict="
+            f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), or save inside "
+            f"`with fsdp_pass.unshard(model):`"
+        )
 
     @property
     def placement(self) -> RaggedShard:
@@ -220,6 +287,69 @@ class RaggedShardTensor(torch.Tensor):
         return ragged_dispatch.dispatch(func, args, kwargs)
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a sharded tensor (a RaggedShardTensor, or a DTensor whose local tensor is
+    one): FSDP's pieces gathered first, then the TP/EP blocks. A collective; not differentiable."""
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor):
+        t = _with_whole_local(t)
+    return t.full_tensor()
+
+
+def _with_whole_local(t: DTensor) -> DTensor:
+    """``t`` with its RaggedShard local tensor gathered whole over FSDP's ranks (plain DTensor again)."""
+    return DTensor.from_local(t._local_tensor.full_tensor(), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
+def _is_traced(piece: torch.Tensor) -> bool:
+    """Whether ``piece`` stands in for data (fake, functional, meta, or under Dynamo) rather than holding it."""
+    return type(piece) is not torch.Tensor or piece.is_meta or torch.compiler.is_compiling()
+
+
+def _what(t: RaggedShardTensor) -> str:
+    """``parameter 'name'`` when ``t`` is a sharded parameter or a detached alias of one."""
+    from .dbuffer import bucket_of, is_sharded
+
+    name = bucket_of(t)[1] if is_sharded(t) else t.__dict__.get(PARAMETER_NAME)
+    return "a RaggedShardTensor" if name is None else f"parameter {name!r}"
+
+
+# On a detached alias of a sharded parameter (``state_dict()`` values): the parameter's name, for messages.
+PARAMETER_NAME = "_fsdp_pass_parameter_name"
+
+
+def _install_dtensor_gathers() -> None:
+    """``DTensor.full_tensor`` / ``redistribute`` of a DTensor whose local tensor is RaggedShard
+    gather FSDP's pieces first ([Note: DTensors over RaggedShard local tensors])."""
+    full_tensor, redistribute = DTensor.full_tensor, DTensor.redistribute
+    if getattr(full_tensor, "_fsdp_pass", False):
+        return
+
+    @functools.wraps(full_tensor)
+    def full_tensor_of_pieces(self, *, grad_placements=None):
+        if _holds_real_pieces(self):
+            self = _with_whole_local(self)
+        return full_tensor(self, grad_placements=grad_placements)
+
+    @functools.wraps(redistribute)
+    def redistribute_pieces(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None,
+                            backward_dtype=None):
+        if _holds_real_pieces(self):
+            self = _with_whole_local(self)
+        return redistribute(self, device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype,
+                            backward_dtype=backward_dtype)
+
+    full_tensor_of_pieces._fsdp_pass = redistribute_pieces._fsdp_pass = True
+    DTensor.full_tensor, DTensor.redistribute = full_tensor_of_pieces, redistribute_pieces
+
+
+def _holds_real_pieces(t: DTensor) -> bool:
+    if torch.compiler.is_compiling():  # Dynamo traces torch's own methods
+        return False
+    local = t._local_tensor
+    return isinstance(local, RaggedShardTensor) and not _is_traced(local._local)
+
+
 def ragged_part(t: torch.Tensor) -> torch.Tensor:
     """What FSDP shards of ``t``: a tensor/expert-parallel DTensor's local tensor, else ``t`` itself
     (see [Note: FSDP over TP/EP] in sharding/materialize.py)."""
@@ -261,6 +391,7 @@ def _register_for_foreach_defaults() -> None:
 
 
 _register_for_foreach_defaults()
+_install_dtensor_gathers()
 
 # Imported last: ragged_dispatch imports the classes above (the reverse edge is only used at call time).
 from . import ragged_dispatch  # noqa: E402
