@@ -556,6 +556,39 @@ def _save_pretrained_sharded(rank: int, world: int, tmp: str) -> dict:
     return {"refused_then_saved_whole": True}
 
 
+def _new_tensors_and_eager_checkpointing(rank: int, world: int) -> dict:
+    """``p.new_empty(shape)`` + an init + ``copy_`` (torchtitan's fused-weight init) lands the one-process
+    values; eager training through non-reentrant activation checkpointing (which saves ``p.detach()``
+    and recomputes with it) matches one process."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = init_std(Llama(CFG))
+    model = copy.deepcopy(reference)
+    for m in (model, reference):
+        for i, layer in enumerate(m.layers):
+            m.layers[i] = checkpoint_wrapper(layer)
+    fsdp_pass.fully_shard(model)
+    with torch.device("meta"):
+        uninitialized = Llama(CFG)  # new_* read neither the values nor the whole shape: no gather
+    fsdp_pass.fully_shard(uninitialized, init="skip").to_empty(device="cpu")
+    u = uninitialized.output.weight
+    for made in (u.new_empty((3, 5)), u.new_zeros(4), u.new_ones((2, 2)), u.new_full((2,), 7.0),
+                 u.new_empty_strided((2, 3), (1, 2))):
+        assert type(made) is torch.Tensor and made.dtype == u.dtype, type(made)
+    assert torch.equal(u.new_full((2,), 7.0), torch.full((2,), 7.0))
+    p, q = model.output.weight, reference.output.weight
+    for target in (p, q):
+        whole = target.new_empty(target.shape)
+        torch.manual_seed(3)
+        nn.init.trunc_normal_(whole, std=0.02)
+        with torch.no_grad():
+            target.copy_(whole)
+    assert torch.equal(p.full_tensor(), q)
+    return _train_both(model, reference, rank, world, steps=0, eager_steps=2)
+
+
 def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
     _sharded_before_the_group(rank, world, init_file)
     torch._dynamo.reset()
@@ -570,6 +603,7 @@ def _all_cases(rank: int, world: int, init_file: str, tmp: str) -> dict:
         results["divide_factor"] = _divide_factor(rank, world)
         results["no_sync_first"] = _no_sync_before_first_call(rank, world)
         results["save_pretrained"] = _save_pretrained_sharded(rank, world, tmp)
+        results["new_tensors_and_checkpointing"] = _new_tensors_and_eager_checkpointing(rank, world)
     else:
         results["divide_factor_hsdp"] = _divide_factor(rank, world, mesh_shape=(2, 2))
         results["tp_whole_tensors"] = _tp_whole_tensors(rank, world)

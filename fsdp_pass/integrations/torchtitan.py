@@ -78,7 +78,7 @@ def parallelize(
     for backward.
     """
     compiled = compile_config.enable and "model" in compile_config.components
-    _check_supported(parallel_dims, training, parallelism, compile_config, ac_config, compiled)
+    _check_supported(parallel_dims, training, parallelism, compile_config, compiled)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
 
@@ -108,8 +108,7 @@ def parallelize(
     return model
 
 
-def _check_supported(parallel_dims: Any, training: Any, parallelism: Any, compile_config: Any, ac_config: Any,
-                     compiled: bool) -> None:
+def _check_supported(parallel_dims: Any, training: Any, parallelism: Any, compile_config: Any, compiled: bool) -> None:
     unsupported = []
     if parallelism.spmd_backend != "partial_dtensor":
         unsupported.append(f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)")
@@ -125,9 +124,6 @@ def _check_supported(parallel_dims: Any, training: Any, parallelism: Any, compil
         unsupported.append("--parallelism.enable_fsdp_symm_mem")
     if compiled and compile_config.backend not in _COMPILERS:
         unsupported.append(f"--compile.backend {compile_config.backend} (use inductor or aot_eager)")
-    if ac_config is not None and not compiled:
-        unsupported.append("activation checkpointing of uncompiled blocks (add --compile.enable, or "
-                           "turn it off with activation-checkpoint:none)")
     if unsupported:
         raise ValueError(
             f"fsdp_pass.integrations.torchtitan does not support {'; '.join(unsupported)}. Drop the setting, or "

@@ -59,13 +59,13 @@ from .ragged_tensor import RaggedShardTensor, ragged_part
 
 __all__ = ["DBuffer", "bucket_of", "buffers_of", "is_sharded", "is_unsharded", "mark_unsharded", "pending_leaf"]
 
-_BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
+BUCKET_ATTR = "_fsdp_pass_bucket"  # on a sharded parameter: (its DBuffer, its name there)
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a parameter held by a DBuffer."""
-    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, _BUCKET_ATTR)
+    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, BUCKET_ATTR)
 
 
 def is_unsharded(p: torch.Tensor) -> bool:
@@ -90,7 +90,7 @@ def buffers_of(module: nn.Module) -> list["DBuffer"]:
 
 def bucket_of(p: torch.Tensor) -> tuple["DBuffer", str]:
     """The DBuffer holding a sharded parameter, and the parameter's name in it."""
-    return getattr(p, _BUCKET_ATTR)
+    return getattr(p, BUCKET_ATTR)
 
 
 class DBuffer:
@@ -196,7 +196,7 @@ class DBuffer:
     # -- filling and wrapping ------------------------------------------------------------------
     def adopt(self, name: str, p: nn.Parameter) -> None:
         """Record ``p`` (already swapped to its RaggedShard piece) as this bucket's parameter ``name``."""
-        setattr(p, _BUCKET_ATTR, (self, name))
+        setattr(p, BUCKET_ATTR, (self, name))
         self.params[name] = p
 
     @torch.no_grad()

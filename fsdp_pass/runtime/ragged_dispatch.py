@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import collectives, flat_buffers
-from .dbuffer import bucket_of
+from .dbuffer import BUCKET_ATTR, bucket_of
 from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import PARAMETER_NAME, RaggedShardTensor, RaggedSpec
 
@@ -639,19 +639,36 @@ _FLAT_ORDER_OPS: dict[Any, Callable[[_OpCall], Any]] = {
 
 def _detach(call: _OpCall) -> RaggedShardTensor:
     """A new wrapper around the same piece. Pieces never require grad, and sharing the piece keeps
-    one version counter per bucket shard: writes through ``p.data`` or ``p.detach()`` count too."""
+    one version counter per bucket shard: writes through ``p.data`` or ``p.detach()`` count too.
+
+    A detached sharded parameter stays in its bucket: activation checkpointing (non-reentrant) saves
+    ``p.detach()`` and recomputes the forward with it eagerly, which gathers it like the parameter
+    ([Note: eager calls on sharded parameters])."""
     t = call.bound["self"]
     out = RaggedShardTensor(t._local, t._spec)
     if not call.pieces_are_fake:  # state_dict() values are detached parameters: messages still name them
+        if is_eager_gatherable(t):
+            out.__dict__[BUCKET_ATTR] = t.__dict__[BUCKET_ATTR]
         name = bucket_of(t)[1] if is_eager_gatherable(t) else t.__dict__.get(PARAMETER_NAME)
         if name is not None:
             out.__dict__[PARAMETER_NAME] = name
     return out
 
 
+def _new_tensor(call: _OpCall) -> torch.Tensor:
+    """``p.new_empty(shape)`` and its kin: a plain tensor of the given shape, with the piece's dtype
+    and device (the op reads nothing else of ``p``; model inits build whole tensors this way)."""
+    return call.func(call.bound["self"]._local, *call.args[1:], **call.kwargs)
+
+
 _SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {
     aten.copy_.default: _copy_,
     aten.detach.default: _detach,
+    aten.new_empty.default: _new_tensor,
+    aten.new_empty_strided.default: _new_tensor,
+    aten.new_zeros.default: _new_tensor,
+    aten.new_ones.default: _new_tensor,
+    aten.new_full.default: _new_tensor,
     aten.linalg_vector_norm.default: _vector_norm,
     aten._foreach_norm.Scalar: _foreach_norm,
     aten.sum.default: _sum,
