@@ -97,6 +97,17 @@ def test_ddp_and_fsdp1_are_refused_with_the_fix():
             wrapper(model)
 
 
+def test_fsdp2_fully_shard_is_refused_with_the_fix(four_fake_ranks):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = MLP()
+    fsdp_pass.fully_shard(model, init_device_mesh("cpu", (4,)))
+    with pytest.raises(ValueError, match=r"FSDP2's fully_shard was asked to manage parameter 'layers\.0\.weight' "
+                                         r"\(shape \(\d+, \d+\)\).*do not also call torch.distributed.fsdp.fully_shard"):
+        fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+
+
 def test_eager_calls_follow_the_compiled_mp_policy():
     """torchtitan's chunked loss runs the output layer eagerly on the compiled body's bf16 output."""
     torch.manual_seed(0)

@@ -6,7 +6,10 @@ multi-process model in ``DistributedDataParallel`` unless told otherwise (accele
 Hugging Face ``Trainer``); DDP (or FSDP1) around RaggedShard parameters fails deep inside its
 parameter broadcast with a message about tensor aliasing or views. Their constructors are
 wrapped, once the first parameters are sharded, to refuse a module holding sharded parameters
-with a message that names the fix.
+with a message that names the fix. FSDP2's ``fully_shard`` is a function users import by name, so
+its per-parameter check (``_verify_managed_param``, looked up at call time) is wrapped instead:
+FSDP2 would otherwise gather each sharded parameter whole and shard it again as its own DTensor,
+leaving fsdp_pass's buckets behind.
 
 A model sharded before the process group exists (``fully_shard`` before ``Accelerator()`` or
 ``TrainingArguments`` create it) was sharded over a world of one: run on several ranks, every
@@ -27,7 +30,7 @@ _installed = False
 
 
 def install_wrapper_check() -> None:
-    """Wrap the constructors of DDP and FSDP1 to refuse sharded modules (once per process)."""
+    """Wrap DDP's and FSDP1's constructors and FSDP2's parameter check to refuse sharded modules (once)."""
     global _installed
     if _installed:
         return
@@ -36,6 +39,10 @@ def install_wrapper_check() -> None:
 
     for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
         wrapper.__init__ = _refusing_sharded_modules(wrapper.__init__, wrapper.__name__)
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    if hasattr(_fsdp_init, "_verify_managed_param"):
+        _fsdp_init._verify_managed_param = _refusing_sharded_parameters(_fsdp_init._verify_managed_param)
     _installed = True
 
 
@@ -55,6 +62,24 @@ def _refusing_sharded_modules(init, wrapper_name: str):
         init(self, module, *args, **kwargs)
 
     return checked_init
+
+
+def _refusing_sharded_parameters(verify):
+    @functools.wraps(verify)
+    def checked_verify(name: str, param, *args, **kwargs):
+        from .dbuffer import bucket_of, is_sharded
+
+        if is_sharded(param):
+            raise ValueError(
+                f"FSDP2's fully_shard was asked to manage parameter {bucket_of(param)[1]!r} (shape "
+                f"{tuple(param.shape)}), which fsdp_pass has sharded; fsdp_pass already shards the parameters and "
+                f"synchronizes gradients: do not also call torch.distributed.fsdp.fully_shard on the model (use "
+                f"fsdp_pass.fully_shard or torch.compile(model, backend='vescale') alone; frameworks that apply "
+                f"FSDP2 by themselves have a recipe in docs/integrations.md)"
+            )
+        return verify(name, param, *args, **kwargs)
+
+    return checked_verify
 
 
 def check_mesh_is_current(buf) -> None:
