@@ -207,7 +207,8 @@ def _gradients(model: nn.Module, tokens: torch.Tensor, rank: int, world: int, co
 
 
 def _divide_factor(rank: int, world: int, mesh_shape=None) -> dict:
-    """Factor 1.0 (set before the backend shards): the sum over ranks, world x the mean, compiled and eager."""
+    """Factor 1.0 (set before the backend shards): the sum over ranks, world x the mean, compiled, eager and
+    accumulated under ``no_sync`` (on 4 ranks: 2x2 HSDP)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = init_std(Llama(CFG))
@@ -225,12 +226,18 @@ def _divide_factor(rank: int, world: int, mesh_shape=None) -> dict:
     per_rank = 8 // world
     mine = tokens[rank * per_rank:(rank + 1) * per_rank]
     lm_loss(compiled(mine), mine).backward()
-    worst = {"compiled": 0.0, "eager": 0.0}
-    for kind in ("compiled", "eager"):
+    worst = {"compiled": 0.0, "eager": 0.0, "no_sync": 0.0}
+    for kind, scale in (("compiled", world), ("eager", world), ("no_sync", 2 * world)):
         for p, q in zip(model.parameters(), reference.parameters()):
-            worst[kind] = max(worst[kind], _rel(p.grad.full_tensor(), world * q.grad))
+            worst[kind] = max(worst[kind], _rel(p.grad.full_tensor(), scale * q.grad))
         model.zero_grad()
-        lm_loss(model(mine), mine).backward()
+        if kind == "compiled":
+            lm_loss(model(mine), mine).backward()
+        elif kind == "eager":  # two micro-batches, the first without sync: the sum of 2 x world mean-loss gradients
+            first, second = mine.chunk(2)
+            with fsdp_pass.no_sync(model):
+                lm_loss(compiled(first), first).backward()
+            lm_loss(compiled(second), second).backward()
     assert max(worst.values()) <= TOLERANCE, worst
     # A factor changed after compiling would be ignored by the graph's constant: refused instead.
     fsdp_pass.set_gradient_divide_factor(model, 2.0)
