@@ -42,14 +42,16 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .runtime.ragged_tensor import RaggedShardTensor, local_block, whole_tensor
 
-__all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type", "whole_tensor"]
+__all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type",
+           "whole_tensor"]
 
 
 def _is_distributed(t: torch.Tensor) -> bool:
     return isinstance(t, (RaggedShardTensor, DTensor))
 
 
-def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True,
+                        cpu_offload: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded tensor gathered whole (plain tensors).
 
     A collective: call it on every rank of the model's mesh, in the same order. With ``rank0_only``
@@ -177,7 +179,8 @@ def _whole_values(tree: Any) -> Any:
 
 
 def _holds_pieces(t: torch.Tensor) -> bool:
-    return isinstance(t, RaggedShardTensor) or (isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor))
+    return isinstance(t, RaggedShardTensor) or (
+        isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor))
 
 
 def _piece_of_whole_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,9 @@ def test_fsdp2_fully_shard_is_refused_with_the_fix(four_fake_ranks):
 
     model = MLP()
     fsdp_pass.fully_shard(model, init_device_mesh("cpu", (4,)))
-    with pytest.raises(ValueError, match=r"FSDP2's fully_shard was asked to manage parameter 'layers\.0\.weight' "
-                                         r"\(shape \(\d+, \d+\)\).*do not also call torch.distributed.fsdp.fully_shard"):
+    expected = (r"FSDP2's fully_shard was asked to manage parameter 'layers\.0\.weight' \(shape \(\d+, \d+\)\)"
+                r".*do not also call torch.distributed.fsdp.fully_shard")
+    with pytest.raises(ValueError, match=expected):
         fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
 
 
@@ -167,7 +168,8 @@ def _train_both(model: nn.Module, reference: nn.Module, rank: int, world: int, s
     for step in range(steps + eager_steps):
         tokens = random_tokens(CFG, 8, seed=step)
         run = compiled if step < steps else model
-        loss = lm_loss(run(tokens[rank * per_rank:(rank + 1) * per_rank]), tokens[rank * per_rank:(rank + 1) * per_rank])
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        loss = lm_loss(run(mine), mine)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
