@@ -145,6 +145,11 @@ def test_accelerate_trains_saves_and_resumes_like_one_process():
 # -- Lightning ---------------------------------------------------------------------------------
 
 
+def _pending_gradients(model: torch.nn.Module) -> list[bool]:
+    """Per trainable bucket of ``model``: whether it holds a summed gradient not reduce-scattered yet."""
+    return [b.pending_bytes > 0 for b in buffers_of(model) if b.shard.requires_grad]
+
+
 def _lightning_module(batches: list[torch.Tensor]):
     import lightning as L
 
@@ -168,17 +173,22 @@ def _lightning_module(batches: list[torch.Tensor]):
     return LitLlama()
 
 
-def _lightning_trainer(epochs: int, tmp: str, distributed_checkpoint: bool = True):
+def _lightning_trainer(epochs: int, tmp: str, backwards: list[list[bool]], distributed_checkpoint: bool = True):
+    """``backwards`` gets, after each micro-batch's backward, :func:`_pending_gradients` of the model."""
     import lightning as L
 
     from fsdp_pass.integrations.lightning import ModelParallelStrategy
+
+    class PendingAfterBackward(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            backwards.append(_pending_gradients(pl_module.model))
 
     return L.Trainer(accelerator="cpu", devices=2, num_nodes=1, max_epochs=epochs,
                      strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                                     save_distributed_checkpoint=distributed_checkpoint),
                      accumulate_grad_batches=MICRO, gradient_clip_val=CLIP, use_distributed_sampler=False,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=tmp)
+                     enable_model_summary=False, default_root_dir=tmp, callbacks=[PendingAfterBackward()])
 
 
 def _rank_batches(rank: int, world: int, steps: int) -> list[torch.Tensor]:
@@ -195,22 +205,28 @@ def _lightning(rank: int, world: int, port: int, tmp: str) -> dict:
         return DataLoader(list(range(MICRO * 3)), batch_size=None)
 
     # One epoch (3 steps), both checkpoint kinds, then 3 more; a second run resumes from the distributed checkpoint.
+    backwards = []  # every micro-batch of the three fits below, each a whole number of steps
     lit = _lightning_module(_rank_batches(rank, world, STEPS))
-    trainer = _lightning_trainer(1, tmp)
+    trainer = _lightning_trainer(1, tmp, backwards)
     trainer.fit(lit, loader())
     sharded_path, full_path = os.path.join(tmp, "step3"), os.path.join(tmp, "step3_full.ckpt")
     trainer.save_checkpoint(sharded_path)
     trainer.strategy._save_distributed_checkpoint = False  # the same run, saved as one full file
     trainer.save_checkpoint(full_path)
     step3 = {n: p.full_tensor() for n, p in lit.model.named_parameters()}
-    trainer = _lightning_trainer(2, tmp)
+    trainer = _lightning_trainer(2, tmp, backwards)
     trainer.fit(lit, loader(), ckpt_path=sharded_path)  # continues the same module to step 6
     trained = {n: p.full_tensor() for n, p in lit.model.named_parameters()}
 
     resumed_module = _lightning_module(_rank_batches(rank, world, STEPS))
-    trainer = _lightning_trainer(2, tmp)
+    trainer = _lightning_trainer(2, tmp, backwards)
     trainer.fit(resumed_module, loader(), ckpt_path=sharded_path)  # a fresh module from the checkpoint
     resumed = {n: p.full_tensor() for n, p in resumed_module.model.named_parameters()}
+    # Accumulation: nothing reduce-scattered before a step's last micro-batch, whose backward reduce-scatters all.
+    assert len(backwards) == 3 * 3 * MICRO and all(backwards), backwards
+    for i, pending in enumerate(backwards):
+        last = i % MICRO == MICRO - 1
+        assert (not any(pending)) if last else all(pending), f"micro-batch {i}: pending per bucket {pending}"
     if rank == 0:
         for name, value in trained.items():
             assert torch.equal(resumed[name], value), f"{name}: the resumed run differs"

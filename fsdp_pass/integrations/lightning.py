@@ -4,13 +4,16 @@ Lightning's ``ModelParallelStrategy`` trains a model that ``configure_model`` sh
 as it is (``.to()``, torch's state-dict API, ``clip_grad_norm_``, DCP saves all work on RaggedShard
 parameters), but its checkpoint loading looks for a module with DTensor parameters and refuses the
 model otherwise. This subclass loads the same two checkpoint kinds Lightning saves, through the same
-torch APIs: a distributed (DCP) checkpoint directory, or one full file.
+torch APIs: a distributed (DCP) checkpoint directory, or one full file. With ``accumulate_grad_batches``,
+it runs the micro-batches before the last of each step under ``fsdp_pass.no_sync`` (Lightning's
+``block_backward_sync``, which only knows DDP), so each step reduce-scatters once per bucket.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,14 +22,31 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _LightningMode
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from ..gradient_sync import no_sync
+
 __all__ = ["ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(_LightningModelParallelStrategy):
     """``lightning.pytorch.strategies.ModelParallelStrategy`` for models sharded by fsdp_pass in ``configure_model``.
 
-    Takes the same arguments. ``trainer.fit(..., ckpt_path=...)`` resumes from either checkpoint kind.
+    Takes the same arguments. ``trainer.fit(..., ckpt_path=...)`` resumes from either checkpoint kind;
+    ``accumulate_grad_batches`` reduce-scatters gradients once per optimizer step, not per micro-batch.
     """
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's training loop runs each micro-batch but the last of a step (forward and backward) in here.
+
+        Under ``fsdp_pass.no_sync`` each rank keeps summing its unreduced gradient per bucket; the last
+        micro-batch's backward, outside, reduce-scatters that sum with its own once per bucket.
+        """
+        model = self.model
+        if model is None or next(model.parameters(), None) is None:
+            yield
+            return
+        with no_sync(model):
+            yield
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
