@@ -92,7 +92,7 @@ def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
                 loss = model(input_ids=tokens, labels=tokens).loss
                 accelerator.backward(loss)
                 if micro < MICRO - 1 and step > 0:  # accumulating: nothing reduce-scattered yet
-                    assert all(b.pending_bytes > 0 for b in buffers_of(model) if b.shard.requires_grad)
+                    assert all(_pending_gradients(model))
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
                     assert torch.isfinite(norm)
@@ -281,7 +281,7 @@ def _hf_trainer(rank: int, world: int, port: int, tmp: str) -> dict:
     class Accumulating(TrainerCallback):
         def on_substep_end(self, args, state, control, model=None, **kwargs):
             if state.global_step > 0:
-                accumulating.append(all(b.pending_bytes > 0 for b in buffers_of(model) if b.shard.requires_grad))
+                accumulating.append(all(_pending_gradients(model)))
 
     def compiled_llama():
         model = _hf_llama()
