@@ -5,6 +5,8 @@
 data-parallel *and* the TP ranks, like plain parameters, and keep their DTensor placements.
 Each case trains side by side with one process on the same global batch (losses, the clipped
 gradient norm, every parameter), then a checkpoint saved at TP=2 x FSDP=2 loads at FSDP=4.
+The ``biased_meta`` case is torchtitan's flow: built on the meta device, TP applied, sharded with
+``init="skip"``, ``to_empty`` and the model's own init, bit-equal to one process before it trains.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 import fsdp_pass
 from fsdp_pass.runtime.dbuffer import is_sharded
+from fsdp_pass.runtime.ragged_tensor import ragged_part
 from fsdp_pass.state_dict import whole_tensor
 from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -78,6 +81,57 @@ def _biased_parallel(model: BiasedModel, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, {"fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()})
 
 
+def _meta_init(model: nn.Module) -> None:
+    """The init ops torchtitan's ``init_weights`` uses, seeded: run on a meta-built, sharded model after
+    ``to_empty`` and on the one-process reference alike."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            nn.init.trunc_normal_(p, std=0.2, a=-0.4, b=0.4)
+        elif name.startswith("stem"):
+            nn.init.zeros_(p)
+        elif name.startswith("head"):
+            nn.init.ones_(p)
+        elif "fc_out" in name:
+            value = torch.linspace(-1.0, 1.0, p.numel())
+            if isinstance(p, DTensor):  # DTensor's copy_ takes a DTensor (the whole value, distributed)
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            with torch.no_grad():
+                p.copy_(value)
+        else:
+            nn.init.normal_(p, 0.0, 0.5)
+
+
+def _biased_on_meta(mesh) -> tuple[nn.Module, nn.Module]:
+    """Built on meta, TP applied, sharded over dp, ``to_empty`` and the model's own init (torchtitan's
+    order): every element and the generator state bit-equal to the same init in one process."""
+    reference = BiasedModel()
+    _meta_init(reference)
+    after_reference = torch.rand(4)
+    with torch.device("meta"):
+        model = BiasedModel()
+    _biased_parallel(model, mesh["tp"])
+    fsdp_pass.fully_shard(model, mesh, shard_dim="dp", init="skip")
+    model.to_empty(device="cpu")
+    _meta_init(model)
+    assert torch.equal(torch.rand(4), after_reference), "the generator state after the init differs"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.device.type == "cpu" and ragged_part(p).device.type == "cpu", name
+        assert torch.equal(whole_tensor(p), q), name
+    torch.manual_seed(2)  # and fully_shard's own replay of the constructors' inits (init="replay")
+    built = BiasedModel()
+    torch.manual_seed(2)
+    with torch.device("meta"):
+        replayed = BiasedModel()
+    _biased_parallel(replayed, mesh["tp"])
+    fsdp_pass.fully_shard(replayed, mesh, shard_dim="dp")
+    for (name, p), q in zip(replayed.named_parameters(), built.parameters()):
+        assert torch.equal(whole_tensor(p), q), f"replayed {name}"
+    return model, reference
+
+
 def _llama_model() -> nn.Module:
     torch.manual_seed(0)
     model = init_std(Llama(LLAMA), 0)
@@ -115,17 +169,18 @@ def _llama_sequence_parallel(model: Llama, tp_mesh) -> None:
 
 def _batch(case: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    if case == "biased":
+    if case.startswith("biased"):
         return torch.randn(GLOBAL_BATCH, DIM, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
     tokens = torch.randint(0, LLAMA.vocab, (GLOBAL_BATCH, SEQ), generator=g)
     return tokens, tokens
 
 
 def _loss(case: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean() if case == "biased" else lm_loss(out, target)
+    return (out - target).square().mean() if case.startswith("biased") else lm_loss(out, target)
 
 
-CASES = {"biased": (_biased_model, _biased_parallel), "llama_sp": (_llama_model, _llama_sequence_parallel)}
+CASES = {"biased": (_biased_model, _biased_parallel), "biased_meta": (None, None),
+         "llama_sp": (_llama_model, _llama_sequence_parallel)}
 
 
 def _mesh():
@@ -153,9 +208,12 @@ def _train(case: str, compiler: str, mesh) -> tuple[dict, nn.Module, torch.optim
 
     make, parallelize = CASES[case]
     torch._dynamo.reset()
-    model = make()
-    reference = copy.deepcopy(model)
-    parallelize(model, mesh["tp"])
+    if case == "biased_meta":
+        model, reference = _biased_on_meta(mesh)
+    else:
+        model = make()
+        reference = copy.deepcopy(model)
+        parallelize(model, mesh["tp"])
     replicated = [n for n, p in model.named_parameters()
                   if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements)]
     assert replicated, "the plan leaves no Replicate() parameter"
@@ -235,7 +293,7 @@ def _report(compiler: str, results: dict) -> None:
 @pytest.mark.slow
 def test_replicated_tp_parameters_train_like_one_process_and_checkpoint_to_fsdp4(tmp_path):
     path = str(tmp_path / "tp2_fsdp2_replicate")
-    results = run_distributed(_train_worker, 4, "aot_eager", ("biased", "llama_sp"), path, timeout=600,
+    results = run_distributed(_train_worker, 4, "aot_eager", ("biased", "biased_meta", "llama_sp"), path, timeout=600,
                               pg_timeout=120)
     _report("aot_eager", results[0])
     run_distributed(_load_worker, 4, path, timeout=600, pg_timeout=120)

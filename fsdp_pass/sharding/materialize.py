@@ -11,7 +11,11 @@ the order is "TP/EP first, then FSDP": the bucket holds local tensors, the rewri
 rebuilds each DTensor around its gathered local view (``DTensor.from_local``), and the model's
 own TP/EP collectives run unchanged. Code that needs "what FSDP shards" of a parameter calls
 :func:`~fsdp_pass.runtime.ragged_tensor.ragged_part`. For checkpoints the piece also records its
-local block's global offset and the global shape, so DCP writes global boxes.
+local block's global offset and the global shape, so DCP writes global boxes. A DTensor built on
+the meta device (torchtitan: TP plan, ``fully_shard(init="skip")``, ``to_empty``, ``init_weights``) is
+rebuilt around its piece in place, so it reports the shard's device and ``to_empty`` keeps it
+([Note: Module._apply on sharded parameters]); its init then draws like one process
+([Note: random init of FSDP-over-TP parameters]).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import weakref
 from typing import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..runtime.bucket_settings import apply_recorded
 from ..runtime.dbuffer import DBuffer, is_sharded
@@ -34,7 +39,7 @@ from ..runtime.module_apply import install_module_apply
 from ..runtime.wrapper_check import install_wrapper_check
 from ..runtime.sync_check import install_plain_gradient_check
 from ..runtime.mesh import ShardingMesh
-from ..runtime.ragged_tensor import ragged_part
+from ..runtime.ragged_tensor import _holds_real_pieces, local_block, ragged_part
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .mesh_roles import ParallelMesh
 from .swap import check_swappable, swap_in_place
@@ -82,6 +87,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     install_wrapper_check()  # [Note: wrappers around a sharded model]
     if any(isinstance(p, DTensor) for plan in plans for p in plan.params.values()):
         install_mixed_list_handlers()  # [Note: list ops mixing DTensor and RaggedShard parameters]
+        _install_whole_random_fills()  # [Note: random init of FSDP-over-TP parameters]
     buffers: list[DBuffer] = []
     for plan in plans:
         layout, by_name = plan.layout, plan.params
@@ -112,6 +118,68 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     return buffers
 
 
+# [Note: random init of FSDP-over-TP parameters]
+# On a CPU mesh DTensor has no RNG tracker: an in-place random fill (``normal_``, ``uniform_``, the
+# building blocks of ``torch.nn.init``) draws each rank's local block from the default generator, so
+# TP ranks get the same numbers and none matches a one-process init. For a DTensor whose local tensor
+# is a RaggedShard piece (a meta-built model after ``to_empty``, initialized by its own code), every
+# rank instead draws the whole global tensor from the same generator, keeps its TP block and, of
+# that, its FSDP piece: each element gets one process's value and the generator ends in one
+# process's state. Costs one whole parameter of memory while it runs. ``any``/``all`` of such a
+# DTensor (``trunc_normal_``'s rejection loop asks ``mask.any()``) answer for the whole global
+# tensor on every rank, so all ranks redraw as often as one process does. Other DTensors take
+# DTensor's own dispatch.
+_RANDOM_FILLS = tuple(getattr(packet, overload) for packet in (
+    torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.bernoulli_, torch.ops.aten.exponential_,
+    torch.ops.aten.log_normal_, torch.ops.aten.cauchy_, torch.ops.aten.geometric_, torch.ops.aten.random_)
+    for overload in packet.overloads())
+
+
+def _dtensor_default(op, args: tuple, kwargs: dict):
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = handler
+
+
+def _over_pieces(t, args: tuple, kwargs: dict) -> bool:
+    return (isinstance(t, DTensor) and _holds_real_pieces(t)
+            and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())))
+
+
+def _any_or_all_whole(op, args: tuple, kwargs: dict):
+    x = args[0]
+    if not _over_pieces(x, args, kwargs):
+        return _dtensor_default(op, args, kwargs)
+    is_any = op is torch.ops.aten.any.default
+    verdict = op(x._local_tensor).to(torch.int32)  # over this TP block (its pieces' ranks reduce)
+    mesh = x.device_mesh
+    for dim in range(mesh.ndim):
+        dist.all_reduce(verdict, dist.ReduceOp.MAX if is_any else dist.ReduceOp.MIN, group=mesh.get_group(dim))
+    return DTensor.from_local(verdict.to(torch.bool), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _fill_whole(op, args: tuple, kwargs: dict):
+    dst = args[0]
+    if not _over_pieces(dst, args, kwargs):
+        return _dtensor_default(op, args, kwargs)
+    local = dst._local_tensor
+    whole = torch.empty(dst.shape, dtype=dst.dtype, device=local._local.device)
+    op(whole, *args[1:], **kwargs)
+    torch.ops.aten.copy_.default(local, local_block(whole, dst._spec))
+    return dst
+
+
+def _install_whole_random_fills() -> None:
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _RANDOM_FILLS:
+        handlers.setdefault(op, _fill_whole)
+    for op in (torch.ops.aten.any.default, torch.ops.aten.all.default):
+        handlers.setdefault(op, _any_or_all_whole)
+
+
 def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor) -> None:
     """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer."""
     buf = ref()
@@ -129,7 +197,13 @@ def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
 
 def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
     if isinstance(p, DTensor):  # see [Note: FSDP over TP/EP]
-        p._local_tensor = buf.ragged(name, buf.local_piece(name))
+        piece = buf.ragged(name, buf.local_piece(name))
+        if p.device == piece.device:
+            p._local_tensor = piece
+        else:  # built on meta: the wrapper reports its local tensor's device, so it is rebuilt on the shard's
+            rebuilt = nn.Parameter(DTensor(piece, p._spec, requires_grad=False), requires_grad=p.requires_grad)
+            rebuilt.__dict__.update((k, v) for k, v in p.__dict__.items() if k not in rebuilt.__dict__)
+            swap_in_place(p, rebuilt)
     else:
         sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
         swap_in_place(p, sharded)

@@ -19,6 +19,9 @@ order makes the meta-device model bit-equal to it. The replay simulates construc
   ``LlamaForCausalLM`` the order is: the constructors' inits of ``model``'s modules, ``model``'s
   ``_init_weights`` pass, ``lm_head``'s constructor init, the root's pass (``lm_head``, root).
 
+A tensor-parallel DTensor parameter's init runs on a whole (global) temporary too; this rank's TP
+block of it goes into the bucket ([Note: FSDP over TP/EP] in :mod:`fsdp_pass.sharding.materialize`).
+
 A tied parameter keeps what its first owner (``model.modules()`` order) wrote; other owners'
 inits still run on temporaries, since a real-device build draws their random numbers too.
 
@@ -57,8 +60,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..runtime.dbuffer import bucket_of
+from ..runtime.ragged_tensor import local_block
 from ..runtime.uninitialized import mark_initialized, mark_pending
 
 __all__ = ["MetaInit"]
@@ -281,6 +286,8 @@ class MetaInit:
             if self.first_owner.get(id(p)) is not step.module:
                 continue  # a tied parameter keeps its first owner's init
             buf, fqn = bucket_of(p)
+            if isinstance(p, DTensor):  # the init ran on the whole tensor; the bucket holds this rank's TP block
+                value = local_block(value, p._spec)
             buf.load_full(fqn, value)
             mark_initialized(buf, fqn)
             written.append(p)
