@@ -209,8 +209,8 @@ def _gradients(model: nn.Module, tokens: torch.Tensor, rank: int, world: int, co
 
 
 def _divide_factor(rank: int, world: int, mesh_shape=None) -> dict:
-    """Factor 1.0 (set before the backend shards): the sum over ranks, world x the mean, compiled, eager and
-    accumulated under ``no_sync`` (on 4 ranks: 2x2 HSDP)."""
+    """Factor 1.0 (set before the backend shards): the sum over ranks, world x the mean, compiled and eager;
+    flat, also accumulated under ``no_sync`` (a second compiled variant); with ``mesh_shape``, on 2x2 HSDP."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = init_std(Llama(CFG))
@@ -228,14 +228,15 @@ def _divide_factor(rank: int, world: int, mesh_shape=None) -> dict:
     per_rank = 8 // world
     mine = tokens[rank * per_rank:(rank + 1) * per_rank]
     lm_loss(compiled(mine), mine).backward()
-    worst = {"compiled": 0.0, "eager": 0.0, "no_sync": 0.0}
-    for kind, scale in (("compiled", world), ("eager", world), ("no_sync", 2 * world)):
+    kinds = (("compiled", world), ("eager", world), ("no_sync", 2 * world))[: 3 if mesh_shape is None else 2]
+    worst = {kind: 0.0 for kind, _ in kinds}
+    for kind, scale in kinds:
         for p, q in zip(model.parameters(), reference.parameters()):
             worst[kind] = max(worst[kind], _rel(p.grad.full_tensor(), scale * q.grad))
         model.zero_grad()
         if kind == "compiled":
             lm_loss(model(mine), mine).backward()
-        elif kind == "eager":  # two micro-batches, the first without sync: the sum of 2 x world mean-loss gradients
+        elif kind == "eager" and len(kinds) == 3:  # two micro-batches, the first without sync: 2 x world gradients
             first, second = mine.chunk(2)
             with fsdp_pass.no_sync(model):
                 lm_loss(compiled(first), first).backward()
