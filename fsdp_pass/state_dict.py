@@ -144,8 +144,7 @@ def set_state_dict_type(model: nn.Module, state_dict_type: str, *, optimizers: S
         return
 
     def whole(values: Any) -> Any:
-        out = _whole_values(values)
-        return _offload(out) if cpu_offload else out
+        return _whole_values(values, offload=cpu_offload)
 
     def model_hook(module, state_dict, prefix, local_metadata) -> None:
         if not prefix:  # the root's call: every value is in
@@ -159,22 +158,22 @@ def set_state_dict_type(model: nn.Module, state_dict_type: str, *, optimizers: S
         optimizer.__dict__[_FULL_HOOK] = optimizer.register_state_dict_post_hook(optimizer_hook)
 
 
-def _offload(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: _offload(v) for k, v in tree.items()}
-    return tree
+def _whole_values(tree: Any, *, offload: bool = False, keep: bool = True) -> Any:
+    """``tree`` (a state dict, nested dicts and lists) with every sharded tensor replaced by its whole value.
 
-
-def _whole_values(tree: Any) -> Any:
-    """``tree`` (a state dict, nested dicts and lists) with every sharded tensor replaced by its whole value."""
+    A collective: every rank walks the same tree in the same order. ``offload`` moves every tensor to
+    the CPU; ``keep=False`` (a rank that will not write) takes part in each gather and drops the result
+    at once, so it never holds more than one whole value.
+    """
     if isinstance(tree, torch.Tensor):
-        return whole_tensor(tree) if _holds_pieces(tree) else tree
+        value = whole_tensor(tree) if _holds_pieces(tree) else tree
+        if not keep:
+            return None
+        return value.cpu() if offload else value
     if isinstance(tree, dict):
-        return {k: _whole_values(v) for k, v in tree.items()}
+        return {k: _whole_values(v, offload=offload, keep=keep) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_whole_values(v) for v in tree)
+        return type(tree)(_whole_values(v, offload=offload, keep=keep) for v in tree)
     return tree
 
 

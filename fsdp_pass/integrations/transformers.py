@@ -58,12 +58,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import transformers
-from torch.distributed.tensor import DTensor
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..runtime.dbuffer import is_sharded
-from ..runtime.ragged_tensor import RaggedShardTensor
-from ..state_dict import get_full_state_dict, whole_tensor
+from ..state_dict import _whole_values, get_full_state_dict
 from .accelerate import _prepare_model, _refuse_compile_wrapper
 
 __all__ = ["Trainer"]
@@ -140,16 +138,8 @@ def _check_training_arguments(args: transformers.TrainingArguments) -> None:
 def _whole_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[str, Any] | None:
     """``optimizer.state_dict()`` with every sharded state gathered whole on the CPU; ``None`` unless ``keep``.
 
-    A collective: every rank calls it, and every rank gathers the states in the same (sorted) order.
+    A collective: every rank calls it (the optimizer's state dict lists the states in the same order on every rank).
     """
     packed = optimizer.state_dict()
-    states: dict[Any, dict[str, Any]] = {}
-    for index in sorted(packed["state"]):
-        state = states[index] = {}
-        for name in sorted(packed["state"][index]):
-            value = packed["state"][index][name]
-            if isinstance(value, (RaggedShardTensor, DTensor)):
-                value = whole_tensor(value)  # every rank takes part in the gather
-                value = value.cpu() if keep else None
-            state[name] = value
+    states = _whole_values(packed["state"], offload=True, keep=keep)
     return {**packed, "state": states} if keep else None

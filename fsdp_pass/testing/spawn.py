@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .inductor_cache import compile_each_graph_once
+
 __all__ = ["RankFailed", "free_port", "run_distributed", "set_launcher_env"]
 
 _OK, _ERROR = "ok", "error"
@@ -35,7 +37,7 @@ _OK, _ERROR = "ok", "error"
 # Dynamo caches, patches, the random state) reaches the next one, because the server itself never
 # runs a rank's function. The environment a rank sees is the server's, taken when the first run
 # started it; a rank sets what it needs (``set_launcher_env``) itself.
-_PRELOADED = ["fsdp_pass", "fsdp_pass.testing.spawn"]
+_PRELOADED = ["fsdp_pass", "fsdp_pass.testing.spawn", "torch._inductor.compile_fx"]
 
 
 def _context() -> Any:
@@ -57,6 +59,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
             pg_timeout: float, backend: str | None, pin_cores: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    compile_each_graph_once()  # [Note: one Inductor compile per graph across ranks]
     try:
         if pin_cores:
             cpus = sorted(os.sched_getaffinity(0))
