@@ -68,7 +68,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- accelerate --------------------------------------------------------------------------------
 
 
-def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
+def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[int, int] | None = None) -> dict:
+    """``mesh_shape``: HSDP (replicas, shards) on a mesh the script makes; None: fsdp_pass's default mesh."""
     set_launcher_env(rank, world, port)
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -79,7 +80,12 @@ def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
     assert dist.get_world_size() == world
     model = _hf_llama()
-    model.compile(backend="vescale", options={"compiler": "aot_eager"})  # fsdp_pass line 1
+    options = {"compiler": "aot_eager"}
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", mesh_shape)
+    model.compile(backend="vescale", options=options)  # fsdp_pass line 1
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = prepare(accelerator, model, opt)  # fsdp_pass line 2
     per_rank = GLOBAL_BATCH // MICRO // world
@@ -103,6 +109,9 @@ def _accelerate(rank: int, world: int, port: int, tmp: str) -> dict:
         return total.item() / world
 
     losses = [run_step(step) for step in range(3)]
+    # the first call sharded every bucket over the mesh the script asked for (HSDP: 2 shards, 2 replicas)
+    shapes = {(b.mesh.shard_size, b.mesh.replicate_size) for b in buffers_of(model)}
+    assert shapes == {(world, 1) if mesh_shape is None else (mesh_shape[1], mesh_shape[0])}, shapes
     accelerator.save_state(os.path.join(tmp, "state"))
     losses += [run_step(step) for step in range(3, STEPS)]
     trained = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -135,10 +144,11 @@ def _parity(losses: list[float] | None, params: dict[str, torch.Tensor], grad_no
     return result
 
 
-def test_accelerate_trains_saves_and_resumes_like_one_process():
+@pytest.mark.parametrize("world, mesh_shape", [(2, None), (4, (2, 2))], ids=["2 ranks", "2x2 HSDP"])
+def test_accelerate_trains_saves_and_resumes_like_one_process(world, mesh_shape):
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_distributed(_accelerate, 2, free_port(), tmp, backend=None)[0]
-    print(f"accelerate, 2 ranks: {result}")
+        result = run_distributed(_accelerate, world, free_port(), tmp, mesh_shape, backend=None)[0]
+    print(f"accelerate, {world} ranks, mesh {mesh_shape}: {result}")
     assert result["loss_rel"] <= LOSS_TOLERANCE and result["param_rel"] <= PARAM_TOLERANCE, result
 
 
