@@ -11,9 +11,10 @@ torchtitan's llama3 and qwen3 debug models cut to 2 layers, fp32, the same seed 
   compare parallelisms; FSDP2's own sharded init on CPU differs from one process's): per-step loss
   and gradient norm;
 * fsdp_pass's own meta-device init (no seed checkpoint) gives the seed checkpoint's step-1 loss;
-* a DCP checkpoint at step 3 (torchtitan's checkpointer), resumed in a new trainer: steps 4-6 equal
+* a DCP checkpoint at step 5 (torchtitan's checkpointer), resumed in a new trainer: steps 6-10 equal
   the uninterrupted run bit for bit;
-* the default llama3_debugmodel settings (activation checkpointing, no compile): the eager run.
+* the default llama3_debugmodel settings (activation checkpointing, no compile): the eager run;
+* on 4 ranks: torchtitan's TP 2 x FSDP 2 (compiled; eager with activation checkpointing) and 2x2 HSDP.
 
 [Note: torchtitan 0.3.0 on CPU]
 torchtitan does not run on a CPU build of torch as shipped; these patches (the test's only) fill
@@ -53,7 +54,7 @@ from fsdp_pass.testing.spawn import free_port, run_distributed, set_launcher_env
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan==0.3.0)")
 
-SEQ, LOCAL_BATCH, VOCAB, LAYERS, STEPS, RESUME_AT = 32, 2, 2048, 2, 6, 3
+SEQ, LOCAL_BATCH, VOCAB, LAYERS, STEPS, RESUME_AT, SHORT_STEPS = 32, 2, 2048, 2, 10, 5, 3
 LOSS_TOLERANCE = GRAD_NORM_TOLERANCE = 1e-6  # relative, every step
 MODULE = "fsdp_pass.integrations.torchtitan"
 # every run: the debug model's shapes, fp32 (torchtitan's default mixed precision is bf16), a seed
@@ -325,7 +326,7 @@ def _torchtitan(rank: int, world: int, port: int, tmp: str) -> dict:
     out["llama3 fsdp_pass resumed"] = _train(MODULE, name, [
         *folder("llama3_resumed"), *length, *compiled, "--checkpoint.enable", "--checkpoint.initial_load_path", step3,
         "--checkpoint.no-initial-load-model-only"], components)
-    short = ["--training.steps", "3"]
+    short = ["--training.steps", str(SHORT_STEPS)]
     # torchtitan's llama3_debugmodel as it is: uncompiled, activation checkpointing on
     out["llama3 fsdp_pass eager"] = _train(MODULE, name, [*folder("llama3_eager"), *short, *from_seed("llama3")],
                                            components)
@@ -336,6 +337,32 @@ def _torchtitan(rank: int, world: int, port: int, tmp: str) -> dict:
                                                          *from_seed("llama3")], components)
     out["llama3 fsdp_pass own init"] = _train(MODULE, name, [*folder("llama3_own_init"), "--training.steps", "1",
                                                              "activation-checkpoint:none"], components)
+    return out
+
+
+def _torchtitan_4_ranks(rank: int, world: int, port: int, tmp: str) -> dict:
+    """torchtitan's tensor parallelism under fsdp_pass (TP 2 x FSDP 2) and 2x2 HSDP, each against FSDP2's."""
+    set_launcher_env(rank, world, port)
+    _torchtitan_on_cpu()
+    components = _components()
+    name, steps = "llama3_debugmodel", ["--training.steps", str(SHORT_STEPS)]
+    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", os.path.join(tmp, "seed", "checkpoint", "step-0")]
+    _train("llama3", name, ["--dump_folder", os.path.join(tmp, "seed"), "--checkpoint.enable",
+                            "--checkpoint.create_seed_checkpoint"], components, seed_checkpoint=True)
+    out = {}
+    for label, parallelism in (("tp", ["--parallelism.tensor_parallel_degree", "2"]),
+                               ("hsdp", ["--parallelism.data_parallel_replicate_degree", "2"])):
+        out[f"llama3 FSDP2 {label}"] = _train("llama3", name, [
+            "--dump_folder", os.path.join(tmp, f"fsdp2_{label}"), *steps, *parallelism, *seed], components)
+        out[f"llama3 fsdp_pass {label}"] = _train(MODULE, name, [
+            "--dump_folder", os.path.join(tmp, f"vescale_{label}"), *steps, *parallelism, *seed,
+            "--compile.enable", "--compile.backend", "aot_eager", "activation-checkpoint:none"], components)
+    with pytest.raises(ValueError, match="activation-checkpoint:none, or drop --compile.enable"):
+        _train(MODULE, name, ["--dump_folder", os.path.join(tmp, "refused"), *steps, "--compile.enable",
+                              "--parallelism.tensor_parallel_degree", "2"], components)
+    out["llama3 fsdp_pass tp eager"] = _train(MODULE, name, [  # torchtitan's default activation checkpointing
+        "--dump_folder", os.path.join(tmp, "vescale_tp_eager"), *steps, "--parallelism.tensor_parallel_degree", "2",
+        *seed], components)
     return out
 
 
@@ -366,3 +393,14 @@ def test_torchtitan_trains_like_its_fsdp2_and_resumes_exactly(tmp_path):
     assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # bit for bit
     # fsdp_pass's sharded init of the meta-device model is one process's: the seed checkpoint's first loss
     assert runs["llama3 fsdp_pass own init"]["steps"][1][0] == full[1][0], runs["llama3 fsdp_pass own init"]
+
+
+def test_torchtitan_tensor_parallel_and_2x2_hsdp_train_like_its_fsdp2(tmp_path):
+    start = time.monotonic()
+    runs = run_distributed(_torchtitan_4_ranks, 4, free_port(), str(tmp_path), backend=None, timeout=600)[0]
+    worst = {label: _worst(runs, f"llama3 fsdp_pass {label}", f"llama3 FSDP2 {label.split()[0]}")
+             for label in ("tp", "tp eager", "hsdp")}
+    print(f"torchtitan, 4 ranks, {time.monotonic() - start:.0f} s: worst relative (loss, grad norm) vs FSDP2: "
+          f"{worst}; seconds per run: { {label: run['seconds'] for label, run in runs.items()} }")
+    for label, (loss, norm) in worst.items():
+        assert loss <= LOSS_TOLERANCE and norm <= GRAD_NORM_TOLERANCE, (label, loss, norm, runs)

@@ -10,8 +10,8 @@ function named by ``--config``. This module offers torchtitan's dense llama3 and
 under torchtitan's names (:data:`CONFIGS`), each made by torchtitan's own function with its model
 spec, data, optimizer, schedule and loss, and these changes (:func:`with_fsdp_pass`):
 
-* the model spec's ``parallelize_fn`` is :func:`parallelize`: torchtitan's activation checkpointing,
-  then ``fsdp_pass.fully_shard`` on the data-parallel mesh and, with ``--compile.enable``, each
+* the model spec's ``parallelize_fn`` is :func:`parallelize`: torchtitan's tensor parallelism (when
+  asked) and activation checkpointing, then ``fsdp_pass.fully_shard`` on the data-parallel mesh dims and, with ``--compile.enable``, each
   transformer block compiled with the ``vescale`` backend; torchtitan's mixed precision, reshard
   and gradient scale settings carry over;
 * the checkpointer is :class:`CheckpointManager`, torchtitan's DCP checkpointer, which saves the
@@ -66,8 +66,9 @@ def parallelize(
 ) -> nn.Module:
     """torchtitan's ``parallelize_fn`` for its decoders (llama3, qwen3), with fsdp_pass as data parallelism.
 
-    In torchtitan's order: activation checkpointing, then ``fsdp_pass.fully_shard`` of the meta-device
-    model on the data-parallel mesh (``fsdp``; ``dp_replicate`` x ``fsdp`` for HSDP) with nothing
+    In torchtitan's order: its TP plan (``--parallelism.tensor_parallel_degree``), activation checkpointing,
+    then ``fsdp_pass.fully_shard`` of the meta-device model on the data-parallel mesh dims (``fsdp``;
+    ``dp_replicate`` x ``fsdp`` for HSDP; with TP, of the mesh that also holds ``tp``) with nothing
     initialized (torchtitan's ``to_empty`` and ``init_weights`` follow), then, with ``--compile.enable``,
     ``block.compile(backend="vescale")`` for each transformer block (``--compile.backend`` is fsdp_pass's
     compiler after its passes; identical blocks share one graph). Gradients are summed over the
@@ -79,13 +80,26 @@ def parallelize(
     """
     compiled = compile_config.enable and "model" in compile_config.components
     _check_supported(parallel_dims, training, parallelism, compile_config, compiled)
+    if compiled and parallel_dims.tp_enabled and ac_config is not None:
+        raise ValueError(
+            "fsdp_pass.integrations.torchtitan: --compile.enable with tensor parallelism and activation "
+            "checkpointing fails in torch's AOTAutograd (a checkpointed compiled block saves its DeviceMesh); "
+            "turn one of them off: activation-checkpoint:none, or drop --compile.enable (eager TP with "
+            "activation checkpointing trains); see docs/integrations.md, torchtitan"
+        )
+    if parallel_dims.tp_enabled:  # torchtitan's TP plan (the model config's sharding configs) comes first
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
 
     hsdp = parallel_dims.dp_replicate_enabled
-    mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if hsdp else "fsdp")
+    data_parallel = ["dp_replicate", "fsdp"] if hsdp else ["fsdp"]
+    # With TP the mesh holds the TP dim too (the parameters' DTensor meshes are slices of it) and
+    # fsdp_pass shards over the named data-parallel dims only.
+    dims = {"shard_dim": "fsdp", "replicate_dim": "dp_replicate" if hsdp else None} if parallel_dims.tp_enabled else {}
+    mesh = parallel_dims.get_mesh([*data_parallel, "tp"] if parallel_dims.tp_enabled else data_parallel)
     # Compiled blocks share one graph only when each block's parameters are a bucket of their own.
-    fsdp_pass.fully_shard(model, mesh, init="skip", min_bucket_bytes=0 if compiled else None)
+    fsdp_pass.fully_shard(model, mesh, init="skip", min_bucket_bytes=0 if compiled else None, **dims)
     fsdp_pass.set_gradient_divide_factor(model, 1.0)
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
@@ -98,6 +112,7 @@ def parallelize(
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         options = {
             "mesh": mesh,
+            **dims,
             "compiler": compile_config.backend,
             "mp_policy": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype},
             "reshard_after_forward": parallelism.fsdp_reshard_after_forward != "never",
@@ -112,8 +127,6 @@ def _check_supported(parallel_dims: Any, training: Any, parallelism: Any, compil
     unsupported = []
     if parallelism.spmd_backend != "partial_dtensor":
         unsupported.append(f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)")
-    if parallel_dims.tp_enabled:
-        unsupported.append("tensor parallelism (--parallelism.tensor_parallel_degree > 1)")
     if parallel_dims.cp_enabled:
         unsupported.append("context parallelism (--parallelism.context_parallel_degree > 1)")
     if parallel_dims.ep_enabled:

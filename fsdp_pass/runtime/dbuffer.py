@@ -197,6 +197,8 @@ class DBuffer:
     def adopt(self, name: str, p: nn.Parameter) -> None:
         """Record ``p`` (already swapped to its RaggedShard piece) as this bucket's parameter ``name``."""
         setattr(p, BUCKET_ATTR, (self, name))
+        if isinstance(p, DTensor):  # its local piece too: eager TP code reads it ([Note: eager calls on sharded parameters])
+            setattr(p._local_tensor, BUCKET_ATTR, (self, name))
         self.params[name] = p
 
     @torch.no_grad()
@@ -312,8 +314,11 @@ class DBuffer:
 
     @property
     def grad_divisor(self) -> float:
-        """What the summed gradient is divided by: the user's divide factor, else the data-parallel degree."""
-        return self.mesh.divisor if self.gradient_divide_factor is None else self.gradient_divide_factor
+        """What the summed gradient is divided by: the user's divide factor, else the data-parallel degree
+        (either way, times the ranks holding copies of one gradient: ``ShardingMesh.copies``)."""
+        if self.gradient_divide_factor is None:
+            return self.mesh.divisor
+        return self.gradient_divide_factor * self.mesh.copies
 
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:

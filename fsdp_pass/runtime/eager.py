@@ -22,6 +22,11 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
   once per bucket).
 
+A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
+torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the
+bucket too, whose whole value is the parameter's local block; the hook on the parameter gets a
+DTensor gradient, takes its block in the parameter's placements, and returns the piece as a DTensor.
+
 Eager calls are collective, like every FSDP forward: every rank of the bucket's mesh must make them.
 """
 
@@ -47,7 +52,8 @@ _gathered: OrderedDict[int, tuple[weakref.ref, int, dict[str, torch.Tensor]]] = 
 
 
 def is_eager_gatherable(t: torch.Tensor) -> bool:
-    """Whether dispatch may replace ``t`` by its whole value: a sharded parameter (not a TP/EP local tensor)."""
+    """Whether dispatch may replace ``t`` by its whole value: a sharded parameter, or the local piece
+    of a sharded TP/EP DTensor parameter (its whole value is the parameter's local block)."""
     return isinstance(t, RaggedShardTensor) and is_sharded(t)
 
 
@@ -91,10 +97,13 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
             f"which holds only this rank's part of this rank's gradient; compute the loss with "
             f'torch.compile(model, backend="vescale") instead'
         )
+    spec = buf.dtensor_specs.get(name)
+    if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
+        grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
     whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
     for group in buf.mesh.data_parallel_groups():
         collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
     piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
     buf.attach_grads(buf.gradient_buffer(create=True))
-    return buf.ragged(name, piece)
+    return buf.wrap(name, piece)

@@ -27,6 +27,7 @@ class ShardingMesh:
     mesh: DeviceMesh | None
     shard_dim: int = 0
     grad_divisor: int | None = None  # see ``divisor``
+    copies: int = 1  # ranks of the bucket whose gradients are copies of one another's (see ``divisor``)
 
     @property
     def divisor(self) -> int:
@@ -34,7 +35,8 @@ class ShardingMesh:
 
         Default: every rank of the bucket holds a different part of the batch. Under tensor
         parallelism a parameter replicated over the TP ranks is sharded over them too, but their
-        gradients are copies, so the divisor counts them once more (:meth:`~fsdp_pass.sharding.mesh_roles.ParallelMesh.for_parameter`).
+        gradients are copies, so the divisor counts them once more (``copies``: a gradient divide
+        factor set by the user is multiplied by it, since it counts the data-parallel ranks only) (:meth:`~fsdp_pass.sharding.mesh_roles.ParallelMesh.for_parameter`).
         """
         return self.grad_divisor or self.shard_size * self.replicate_size
 

@@ -55,9 +55,15 @@ def _dtensor_default(op) -> Any:
 
 
 def _has_other_entries(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-                                                    for t in v)
-               for v in (*args, *kwargs.values()))
+    """Whether some entry (index ``i`` of every list) holds no DTensor: a RaggedShard or plain parameter's.
+
+    Entries of DTensor parameters may hold plain tensors too (a fused optimizer's 0-dim steps): when
+    every entry has a DTensor, DTensor's own dispatch runs the op."""
+    lists = [v for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)]
+    if not lists:
+        return False
+    entries = max(map(len, lists))
+    return not all(any(isinstance(v[i], DTensor) for v in lists if len(v) == entries) for i in range(entries))
 
 
 def _handle(op, args: tuple, kwargs: dict) -> Any:

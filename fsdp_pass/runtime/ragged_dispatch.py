@@ -46,6 +46,8 @@ def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
         return _collective_on_whole_tensors(call)
     if func in _SPECIAL_HANDLERS:  # copy_ and the full reductions (table at the bottom)
         return _SPECIAL_HANDLERS[func](call)
+    if _is_same_shape_view(call):  # DTensor.to_local's view_as: the piece itself, still in its bucket
+        return _detach(call)
     if _is_eager_model_code(call):  # [Note: eager calls on sharded parameters] in runtime/eager.py
         return call.run_with_replaced(whole_parameter)
     if _keeps_layout(call):
@@ -158,6 +160,13 @@ def _is_eager_model_code(call: _OpCall) -> bool:
     if not all(map(is_eager_gatherable, ragged)):
         return False
     return _mixes_with_plain_tensors(call) or not _keeps_layout(call)
+
+
+def _is_same_shape_view(call: _OpCall) -> bool:
+    if call.func not in (aten.view.default, aten._unsafe_view.default) or call.pieces_are_fake:
+        return False
+    x = call.args[0]
+    return isinstance(x, RaggedShardTensor) and tuple(call.args[1]) == tuple(x.shape)
 
 
 def _mixes_with_plain_tensors(call: _OpCall) -> bool:

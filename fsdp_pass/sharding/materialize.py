@@ -112,7 +112,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
             buf.shard.register_post_accumulate_grad_hook(functools.partial(_hand_gradient_to_parameters, ref))
             for name in layout.names:  # gradients of eager calls: [Note: eager calls on sharded parameters]
                 p = by_name[name]
-                if p.requires_grad and not isinstance(p, DTensor):
+                if p.requires_grad:
                     p.register_hook(functools.partial(reduce_eager_gradient, ref, name))
         buffers.append(buf)
     return buffers

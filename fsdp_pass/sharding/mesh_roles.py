@@ -134,17 +134,16 @@ class ParallelMesh:
         own = _split_dims(name, p, self) if isinstance(p, DTensor) else ()
         dims = tuple(n for n in self.names if n != self.replicate_dim and n not in own)
         data_parallel = set(self.shard_dims) | ({self.replicate_dim} if self.replicate_dim else set())
-        divisor = math.prod(self.size(n) for n in data_parallel) * math.prod(
-            self.size(n) for n in dims if n not in data_parallel
-        )
+        copies = math.prod(self.size(n) for n in dims if n not in data_parallel)
+        divisor = math.prod(self.size(n) for n in data_parallel) * copies
         if not dims:  # nothing left to shard over: a one-rank "shard" group
-            return ShardingMesh(None, 0, divisor) if self.replicate_dim is None else ShardingMesh(
-                self.root[self.replicate_dim], 0, divisor)
+            return ShardingMesh(None, 0, divisor, copies) if self.replicate_dim is None else ShardingMesh(
+                self.root[self.replicate_dim], 0, divisor, copies)
         shard_name = dims[0] if len(dims) == 1 else "_".join(dims)
         shard_mesh = self.root[shard_name] if len(dims) == 1 else self.root[dims]._flatten(shard_name)
         if self.replicate_dim is None:
-            return ShardingMesh(shard_mesh, 0, divisor)
-        return ShardingMesh(self.root[(self.replicate_dim, shard_name)], 1, divisor)
+            return ShardingMesh(shard_mesh, 0, divisor, copies)
+        return ShardingMesh(self.root[(self.replicate_dim, shard_name)], 1, divisor, copies)
 
     @staticmethod
     def resolve(mesh, shard_dim, replicate_dim, model_dims: tuple[str, ...], argument: str) -> "ParallelMesh":
@@ -199,12 +198,25 @@ class ParallelMesh:
         return ParallelMesh(mesh, shard_dims, rep)
 
 
+def _is_slice_of(part: DeviceMesh, whole: DeviceMesh) -> bool:
+    """Whether each dim of ``part`` is a dim of ``whole`` over the same ranks (this rank's group along it).
+
+    A slice of ``whole`` itself is; so is a slice of another mesh unflattened from the same world mesh
+    with the same dim (torchtitan slices its TP mesh from its data-loading mesh, not its FSDP mesh).
+    """
+    if part._get_root_mesh() is whole._get_root_mesh():
+        return True
+    names = whole.mesh_dim_names or ()
+    return all(name in names and part[name].mesh.tolist() == whole[name].mesh.tolist()
+               for name in part.mesh_dim_names or ())
+
+
 def _split_dims(name: str, p: DTensor, mesh: ParallelMesh) -> tuple[str, ...]:
     """Names of the dims ``p``'s placements split (``Shard``); refuses placements FSDP cannot compose with."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if p.device_mesh._get_root_mesh() is not mesh.root._get_root_mesh():
+    if not _is_slice_of(p.device_mesh, mesh.root):
         raise ValueError(
             f"parameter {name!r} is a DTensor on {p.device_mesh}, which is not a slice of the mesh the model is "
             f"sharded over ({mesh.root}); slice its TP/EP mesh from that mesh (mesh['tp'])"
