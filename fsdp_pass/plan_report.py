@@ -133,13 +133,16 @@ class PlanSummary:
         """Bytes each rank sends per training step (it receives as many)."""
         r = self.replicate_size
         plain = self.param_dtype.itemsize
-        gather = sum(b.copies * (b.world_size - 1) * (b.fp8_bytes or b.shard_size * plain) for b in self.buckets)
+        sent = [b.copies * (b.world_size - 1) * (b.fp8_bytes or b.shard_size * plain) for b in self.buckets]
+        gather = sum(sent)
+        # backward gathers every bucket again but the last ([Note: the last bucket stays gathered into backward])
+        gather_backward = gather - (sent[-1] if len(sent) > 1 else 0)
         trainable = [b for b in self.buckets if b.trainable]
         grad_shards = sum(b.copies * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
         scatter = sum(b.copies * (b.world_size - 1) * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
         out = {
             "all_gather_forward": gather,
-            "all_gather_backward": gather if self.reshard_after_forward else 0,
+            "all_gather_backward": gather_backward if self.reshard_after_forward else 0,
             "reduce_scatter": scatter,
             "all_reduce_replicas": 2 * (r - 1) * grad_shards // r,
         }

@@ -27,9 +27,10 @@ def _count(gm: fx.GraphModule, op) -> int:
     return len(gm.graph.find_nodes(op="call_function", target=op))
 
 
-def _gathered(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes holding (views of) a gathered bucket: all_gather outputs and their view chains."""
-    out, stack = set(), list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+def _gathered(gm: fx.GraphModule, gathers: list[fx.Node] | None = None) -> set[fx.Node]:
+    """Nodes holding (views of) a gathered bucket: all_gather outputs (``gathers``: these only) and their view chains."""
+    out, stack = set(), list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)
+                             if gathers is None else gathers)
     while stack:
         node = stack.pop()
         out.add(node)
@@ -62,9 +63,13 @@ def _structure_worker(rank: int, world: int, compiler: str) -> None:
         assert not any(n.target in _COPY_OPS for n in gathered), [n.name for n in gathered]
         saved_gathered = [n.name for n in _saved_for_backward(fw) if n in gathered]
         if reshard:
-            assert saved_gathered == [], f"forward saves gathered buffers: {saved_gathered}"
-            # Backward gathers again every bucket whose parameters it needs (not layer 0: x needs no grad).
-            assert _count(bw, _c10d.all_gather_into_tensor.default) == buckets - 1
+            # Only the last bucket stays gathered into backward ([Note: the last bucket stays gathered
+            # into backward]); backward gathers again every other bucket whose parameters it needs (not
+            # layer 0: x needs no grad).
+            last = _gathered(fw, fw.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)[-1:])
+            saved = {n for n in _saved_for_backward(fw) if n in gathered}
+            assert saved and saved <= last, f"forward saves {saved_gathered}, not only the last bucket's views"
+            assert _count(bw, _c10d.all_gather_into_tensor.default) == buckets - 2
         else:
             assert saved_gathered, "without reshard_after_forward the gathered views are kept for backward"
             assert _count(bw, _c10d.all_gather_into_tensor.default) == 0

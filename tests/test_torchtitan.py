@@ -14,7 +14,8 @@ torchtitan's llama3 and qwen3 debug models cut to 2 layers, fp32, the same seed 
 * a DCP checkpoint at step 5 (torchtitan's checkpointer), resumed in a new trainer: steps 6-10 equal
   the uninterrupted run bit for bit;
 * the default llama3_debugmodel settings (activation checkpointing, no compile): the eager run;
-* on 4 ranks: torchtitan's TP 2 x FSDP 2 (compiled; eager with activation checkpointing) and 2x2 HSDP.
+* on 4 ranks: torchtitan's TP 2 x FSDP 2 (compiled; eager with activation checkpointing) and 2x2 HSDP
+  (HSDP is checked there only: on 2 ranks it would be 2 replicas of a 1-rank shard group).
 
 [Note: torchtitan 0.3.0 on CPU]
 torchtitan does not run on a CPU build of torch as shipped; these patches (the test's only) fill
@@ -330,11 +331,6 @@ def _torchtitan(rank: int, world: int, port: int, tmp: str) -> dict:
     # torchtitan's llama3_debugmodel as it is: uncompiled, activation checkpointing on
     out["llama3 fsdp_pass eager"] = _train(MODULE, name, [*folder("llama3_eager"), *short, *from_seed("llama3")],
                                            components)
-    hsdp = ["--parallelism.data_parallel_replicate_degree", "2"]  # 2 replicas of a 1-rank shard group
-    out["llama3 FSDP2 hsdp"] = _train("llama3", name, [*folder("llama3_fsdp2_hsdp"), *short, *hsdp,
-                                                       *from_seed("llama3")], components)
-    out["llama3 fsdp_pass hsdp"] = _train(MODULE, name, [*folder("llama3_hsdp"), *short, *hsdp, *compiled,
-                                                         *from_seed("llama3")], components)
     out["llama3 fsdp_pass own init"] = _train(MODULE, name, [*folder("llama3_own_init"), "--training.steps", "1",
                                                              "activation-checkpoint:none"], components)
     return out
@@ -381,7 +377,7 @@ def test_torchtitan_trains_like_its_fsdp2_and_resumes_exactly(tmp_path):
     seconds = time.monotonic() - start
     worst = {label: _worst(runs, label, reference) for label, reference in (
         ("llama3 fsdp_pass", "llama3 FSDP2"), ("llama3 fsdp_pass eager", "llama3 FSDP2"),
-        ("llama3 fsdp_pass hsdp", "llama3 FSDP2 hsdp"), ("qwen3 fsdp_pass", "qwen3 FSDP2"))}
+        ("qwen3 fsdp_pass", "qwen3 FSDP2"))}
     print(f"torchtitan, 2 ranks, {seconds:.0f} s: worst relative (loss, grad norm) vs FSDP2: {worst}; seconds per "
           f"run: { {label: run['seconds'] for label, run in runs.items()} }")
     for label, (loss, norm) in worst.items():

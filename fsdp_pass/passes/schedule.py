@@ -52,9 +52,20 @@ def _is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target.__name__ == "getitem"
 
 
+# [Note: the last bucket stays gathered into backward]
+# Backward needs first the bucket forward gathered last (the output layer of a whole model): resharding
+# it at the end of forward only to gather it again at the start of backward costs one exposed
+# all-gather and saves no memory at the peak, which is at that turn (every activation alive, that
+# bucket gathered on both sides of it). So a graph that gathers several buckets keeps its last one for
+# backward, as FSDP2 never reshards its root module. A graph of one bucket (a block compiled on its
+# own) reshards it: keeping every block's bucket would hold the whole model gathered.
+
+
 def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None) -> fx.GraphModule:
-    """Mark every forward all_gather, the cast feeding it and its view chain MUST_RECOMPUTE."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)):
+    """Mark the forward all_gathers, the cast feeding each and its view chain MUST_RECOMPUTE, all but
+    the last one of a graph of several ([Note: the last bucket stays gathered into backward])."""
+    gathers = list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    for node in gathers[:-1] if len(gathers) > 1 else gathers:
         chain, stack = [node], [node]
         source = node.args[0]
         if isinstance(source, fx.Node) and source.target in _CASTS:
