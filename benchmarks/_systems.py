@@ -41,6 +41,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
            fsdp_pass={"compiler": "inductor", "prefetch": 1}),
     System("fsdp_pass_inductor_no_overlap", "fsdp_pass inductor, overlap off", inductor=True, compiled_fsdp=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 0}),
+    System("fsdp_pass_inductor_reshard_last", "fsdp_pass inductor, overlap on, last bucket resharded too",
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
+                                                         "reshard_last_bucket": True}),
 )}
 
 

@@ -83,6 +83,9 @@ class Options:
         compiler: ``"inductor"`` (default) or ``"aot_eager"`` (debugging) after the passes.
         reshard_after_forward: free gathered parameters after forward and gather again in backward
             (default True, ZeRO-3 memory); False keeps them (less communication, more memory).
+        reshard_last_bucket: with ``reshard_after_forward``, also free the last bucket a graph
+            gathers (default False: a graph that gathers several buckets keeps its last one for
+            backward, which needs it first; see [Note: the last bucket stays gathered into backward]).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
@@ -110,6 +113,7 @@ class Options:
     replicate_dim: int | str | None = None
     compiler: str = "inductor"
     reshard_after_forward: bool = True
+    reshard_last_bucket: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     bucket_size: int | None = None
@@ -121,7 +125,8 @@ class Options:
     fp8_all_gather: "Fp8Options | None" = None
     gradient_divide_factor: float | None = None
 
-    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "mp_policy", "bucket_size",
+    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "reshard_last_bucket",
+              "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor")
 

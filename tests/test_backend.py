@@ -44,12 +44,13 @@ def _saved_for_backward(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _structure_worker(rank: int, world: int, compiler: str) -> None:
-    for reshard in (True, False):
+    for reshard, reshard_last in ((True, False), (True, True), (False, False)):
         torch._dynamo.reset()
         before = set(map(id, records()))
         torch.manual_seed(0)
         model = MLP()
         compiled = torch.compile(model, backend="vescale", options={"compiler": compiler, "reshard_after_forward": reshard,
+                                                                   "reshard_last_bucket": reshard_last,
                                                                    "min_bucket_bytes": 0})
         compiled(torch.randn(4, 19)).sum().backward()
         (record,) = [r for r in records() if id(r) not in before]
@@ -62,7 +63,11 @@ def _structure_worker(rank: int, world: int, compiler: str) -> None:
         # Forward: parameters are views of the gathered buffers, no copy kernels in between.
         assert not any(n.target in _COPY_OPS for n in gathered), [n.name for n in gathered]
         saved_gathered = [n.name for n in _saved_for_backward(fw) if n in gathered]
-        if reshard:
+        if reshard_last:
+            assert saved_gathered == [], f"forward saves gathered buffers: {saved_gathered}"
+            # Backward gathers again every bucket whose parameters it needs (not layer 0: x needs no grad).
+            assert _count(bw, _c10d.all_gather_into_tensor.default) == buckets - 1
+        elif reshard:
             # Only the last bucket stays gathered into backward ([Note: the last bucket stays gathered
             # into backward]); backward gathers again every other bucket whose parameters it needs (not
             # layer 0: x needs no grad).

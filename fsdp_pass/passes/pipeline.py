@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -75,7 +76,8 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     """Passes 4-5 and code generation: aot_autograd with the reshard tags on the joint graph, the
     overlap schedule on the forward and backward graphs, gradients written into the bucket gradients
     of ``buffers`` (the graph's buckets) in backward graphs, then Inductor or aot_eager (``opts.compiler``)."""
-    joint_pass = tag_reshard_after_forward if opts.reshard_after_forward else None
+    joint_pass = functools.partial(tag_reshard_after_forward, keep_last=not opts.reshard_last_bucket) \
+        if opts.reshard_after_forward else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     with patch:
         if opts.compiler == "aot_eager":

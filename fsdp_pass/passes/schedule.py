@@ -61,11 +61,12 @@ def _is_getitem(node: fx.Node) -> bool:
 # own) reshards it: keeping every block's bucket would hold the whole model gathered.
 
 
-def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None) -> fx.GraphModule:
-    """Mark the forward all_gathers, the cast feeding each and its view chain MUST_RECOMPUTE, all but
-    the last one of a graph of several ([Note: the last bucket stays gathered into backward])."""
+def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: bool = True) -> fx.GraphModule:
+    """Mark the forward all_gathers, the cast feeding each and its view chain MUST_RECOMPUTE; with
+    ``keep_last``, all but the last one of a graph of several ([Note: the last bucket stays gathered
+    into backward])."""
     gathers = list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
-    for node in gathers[:-1] if len(gathers) > 1 else gathers:
+    for node in gathers[:-1] if keep_last and len(gathers) > 1 else gathers:
         chain, stack = [node], [node]
         source = node.args[0]
         if isinstance(source, fx.Node) and source.target in _CASTS:
