@@ -198,8 +198,8 @@ class _nullcontext:
         return False
 
 
-def _both_compilers(rank: int, world: int) -> dict:
-    return {c: _train(rank, world, c) for c in ("aot_eager", "inductor")}
+def _inductor(rank: int, world: int) -> dict:
+    return {"inductor": _train(rank, world, "inductor")}  # aot_eager: the no_sync, HSDP and composition cases
 
 
 def _check(result: dict, label: str, tolerance: float = TOLERANCE) -> None:
@@ -221,8 +221,8 @@ def _check_traffic(result: dict, label: str) -> float:
 
 
 def test_parity_and_traffic_2_ranks():
-    results = run_distributed(_both_compilers, 2)
-    for compiler in ("aot_eager", "inductor"):
+    results = run_distributed(_inductor, 2)
+    for compiler in ("inductor",):
         for rank, r in enumerate(results):
             _check(r[compiler], f"{compiler}/rank{rank}")
             assert r[compiler]["bitwise"]
