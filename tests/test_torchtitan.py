@@ -298,24 +298,30 @@ def _train(module: str, config: str, args: list[str], components, seed_checkpoin
     return {"steps": steps, "graphs": graphs, "seconds": round(time.monotonic() - start, 1)}
 
 
+def _seed_checkpoint(family: str, tmp: str, components) -> list[str]:
+    """torchtitan's seed checkpoint of ``family``'s debug model, made here; the arguments that load it."""
+    folder = os.path.join(tmp, f"{family}_seed")
+    _train(family, f"{family}_debugmodel", ["--dump_folder", folder, "--checkpoint.enable",
+                                            "--checkpoint.create_seed_checkpoint"], components, seed_checkpoint=True)
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", os.path.join(folder, "checkpoint", "step-0")]
+
+
 def _torchtitan(rank: int, world: int, port: int, tmp: str) -> dict:
     set_launcher_env(rank, world, port)
     _torchtitan_on_cpu()
     components = _components()
-    out = {}
+    out, seeds = {}, {}
 
     def folder(name: str) -> list[str]:
         return ["--dump_folder", os.path.join(tmp, name)]
 
     def from_seed(family: str) -> list[str]:
-        return ["--checkpoint.enable", "--checkpoint.initial_load_path",
-                os.path.join(tmp, f"{family}_seed", "checkpoint", "step-0")]
+        return seeds[family]
 
     compiled = ["--compile.enable", "--compile.backend", "aot_eager"]
     for family in ("llama3", "qwen3"):
         name, length = f"{family}_debugmodel", ["--training.steps", str(STEPS)]
-        _train(family, name, [*folder(f"{family}_seed"), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
-               components, seed_checkpoint=True)
+        seeds[family] = _seed_checkpoint(family, tmp, components)
         out[f"{family} FSDP2"] = _train(family, name, [*folder(f"{family}_fsdp2"), *length, *from_seed(family)],
                                         components)
         out[f"{family} fsdp_pass"] = _train(MODULE, name, [*folder(f"{family}_vescale"), *length, *from_seed(family),
@@ -342,17 +348,17 @@ def _torchtitan_4_ranks(rank: int, world: int, port: int, tmp: str) -> dict:
     _torchtitan_on_cpu()
     components = _components()
     name, steps = "llama3_debugmodel", ["--training.steps", str(SHORT_STEPS)]
-    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", os.path.join(tmp, "seed", "checkpoint", "step-0")]
-    _train("llama3", name, ["--dump_folder", os.path.join(tmp, "seed"), "--checkpoint.enable",
-                            "--checkpoint.create_seed_checkpoint"], components, seed_checkpoint=True)
+    seed = _seed_checkpoint("llama3", tmp, components)
     out = {}
-    for label, parallelism in (("tp", ["--parallelism.tensor_parallel_degree", "2"]),
-                               ("hsdp", ["--parallelism.data_parallel_replicate_degree", "2"])):
+    # compiled TP blocks run without activation checkpointing (refused with it, below); HSDP keeps torchtitan's
+    for label, parallelism, fsdp_pass_only in (
+            ("tp", ["--parallelism.tensor_parallel_degree", "2"], ["activation-checkpoint:none"]),
+            ("hsdp", ["--parallelism.data_parallel_replicate_degree", "2"], [])):
         out[f"llama3 FSDP2 {label}"] = _train("llama3", name, [
             "--dump_folder", os.path.join(tmp, f"fsdp2_{label}"), *steps, *parallelism, *seed], components)
         out[f"llama3 fsdp_pass {label}"] = _train(MODULE, name, [
             "--dump_folder", os.path.join(tmp, f"vescale_{label}"), *steps, *parallelism, *seed,
-            "--compile.enable", "--compile.backend", "aot_eager", "activation-checkpoint:none"], components)
+            "--compile.enable", "--compile.backend", "aot_eager", *fsdp_pass_only], components)
     with pytest.raises(ValueError, match="activation-checkpoint:none, or drop --compile.enable"):
         _train(MODULE, name, ["--dump_folder", os.path.join(tmp, "refused"), *steps, "--compile.enable",
                               "--parallelism.tensor_parallel_degree", "2"], components)

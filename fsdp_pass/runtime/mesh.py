@@ -35,8 +35,9 @@ class ShardingMesh:
 
         Default: every rank of the bucket holds a different part of the batch. Under tensor
         parallelism a parameter replicated over the TP ranks is sharded over them too, but their
-        gradients are copies, so the divisor counts them once more (``copies``: a gradient divide
-        factor set by the user is multiplied by it, since it counts the data-parallel ranks only) (:meth:`~fsdp_pass.sharding.mesh_roles.ParallelMesh.for_parameter`).
+        gradients are copies, so the divisor counts them once more
+        (:meth:`~fsdp_pass.sharding.mesh_roles.ParallelMesh.for_parameter`). That count is ``copies``:
+        a gradient divide factor set by the user counts the data-parallel ranks only and is multiplied by it.
         """
         return self.grad_divisor or self.shard_size * self.replicate_size
 

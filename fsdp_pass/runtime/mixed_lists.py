@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .ragged_dispatch import bind_arguments, is_list_op, split_off_dtensor_entries
+from .ragged_dispatch import bind_arguments, dtensor_entries, is_list_op, split_off_dtensor_entries
 
 __all__ = ["install_mixed_list_handlers"]
 
@@ -55,15 +55,10 @@ def _dtensor_default(op) -> Any:
 
 
 def _has_other_entries(args: tuple, kwargs: dict) -> bool:
-    """Whether some entry (index ``i`` of every list) holds no DTensor: a RaggedShard or plain parameter's.
-
-    Entries of DTensor parameters may hold plain tensors too (a fused optimizer's 0-dim steps): when
-    every entry has a DTensor, DTensor's own dispatch runs the op."""
-    lists = [v for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)]
-    if not lists:
-        return False
-    entries = max(map(len, lists))
-    return not all(any(isinstance(v[i], DTensor) for v in lists if len(v) == entries) for i in range(entries))
+    """Whether some entry holds no DTensor: a RaggedShard or plain parameter's. Entries of DTensor
+    parameters may hold plain tensors too (a fused optimizer's 0-dim steps): when every entry has a
+    DTensor, DTensor's own dispatch runs the op."""
+    return not all(dtensor_entries((*args, *kwargs.values())))
 
 
 def _handle(op, args: tuple, kwargs: dict) -> Any:

@@ -344,6 +344,14 @@ def _has_dtensor_entries(bound: dict[str, Any]) -> bool:
     return any(isinstance(v, (list, tuple)) and any(isinstance(t, DTensor) for t in v) for v in bound.values())
 
 
+def dtensor_entries(values: Any) -> list[bool]:
+    """For each entry of a list op (index ``i`` of its longest tensor lists among ``values``): whether
+    the entry holds a DTensor (a tensor-parallel parameter's) or not (a RaggedShard or plain one's)."""
+    lists = [v for v in values if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)]
+    entries = max(map(len, lists), default=0)
+    return [any(isinstance(v[i], DTensor) for v in lists if len(v) == entries) for i in range(entries)]
+
+
 def split_off_dtensor_entries(func, bound: dict[str, Any]) -> Any:
     """A list op over RaggedShard parameters and tensor-parallel DTensor ones (whose local tensors are
     RaggedShard): one call for each kind, since DTensor dispatch only takes DTensors ([Note: list ops
@@ -352,10 +360,8 @@ def split_off_dtensor_entries(func, bound: dict[str, Any]) -> Any:
     ``clip_grad_norm_`` and optimizers group gradients by device and dtype only, so the kinds mix.
     A 0-dim DTensor operand (a total norm) joins the non-DTensor call as its value.
     """
-    lengths = {len(v) for v in bound.values() if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)}
-    entries = max(lengths)
-    is_dtensor = [any(isinstance(v[i], DTensor) for v in bound.values()
-                      if isinstance(v, (list, tuple)) and len(v) == entries) for i in range(entries)]
+    is_dtensor = dtensor_entries(bound.values())
+    entries = len(is_dtensor)
     results: list[Any] = [None] * entries
     returned = None
     for kind in (True, False):
