@@ -32,8 +32,9 @@ from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import accumulating_variant, copy_dynamo_graph
-from .runtime import uninitialized
+from .runtime import deferred_reduce, uninitialized
 from .runtime.dbuffer import DBuffer, pending_leaf
+from .runtime.gather import gather_bucket
 from .runtime.rebind import ShardBinding
 
 __all__ = ["CompiledGraph", "records", "vescale"]
@@ -131,7 +132,14 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
     accumulating = _AccumulatingVariant(rewritten, opts, record, fake_mode, shard_fakes, rest)
-    compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record, rewritten.buffers)
+    deferred = _deferred_bucket(rewritten) if opts.overlap_last_reduce else None
+    if deferred is None:
+        compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record, rewritten.buffers)
+    else:  # [Note: the last reduce-scatter overlaps the optimizer step]
+        deferring, deferred_configs = accumulating_variant(rewritten, only={deferred})
+        deferred_config = deferred_configs[deferred]
+        leaf = fake_mode.from_tensor(pending_leaf(rewritten.buffers[deferred], deferred_config), static_shapes=True)
+        compiled = compile_scheduled(deferring, shard_fakes + [leaf] + rest, opts, record, rewritten.buffers)
     _remember(record)
 
     binding = ShardBinding(rewritten.dropped, [s.param for s in result.sites], rewritten.buffers, rewritten.configs)
@@ -144,6 +152,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             return eager_graph(*args)
         if uninitialized.any_pending():  # [Note: uninitialized shards]
             uninitialized.check_buckets(buffers)
+        if deferred_reduce.any_in_flight():  # nobody read last step's gradient: finish its reduce-scatter
+            deferred_reduce.settle_all()
         _check_divide_factors(buffers, rewritten.configs)
         shards = [b.shard for b in buffers]
         rest_args = (a for i, a in enumerate(args) if i not in dropped)
@@ -151,9 +161,22 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
             pending = [b.pending_input(config) for b, config in trainable]
             return accumulating.compiled()(*shards, *pending, *rest_args)
-        return compiled(*shards, *rest_args)
+        if deferred is None:
+            return compiled(*shards, *rest_args)
+        return compiled(*shards, buffers[deferred].deferred_input(deferred_config), *rest_args)
 
     return run
+
+
+def _deferred_bucket(rewritten) -> int | None:
+    """The trainable bucket the graph gathers first, whose reduce-scatter is backward's last: its
+    position in ``rewritten.buffers``; None for a graph of fewer than two trainable buckets ([Note: the
+    last reduce-scatter overlaps the optimizer step]: a block compiled on its own keeps its reduce-scatter)."""
+    shards = {node: i for i, node in enumerate(list(rewritten.gm.graph.find_nodes(op="placeholder"))[:len(rewritten.buffers)])}
+    order = [shards[node.args[0]] for node in rewritten.gm.graph.find_nodes(op="call_function", target=gather_bucket)
+             if node.args and node.args[0] in shards and rewritten.buffers[shards[node.args[0]]].shard.requires_grad]
+    trainable = list(dict.fromkeys(order))
+    return trainable[0] if len(trainable) > 1 else None
 
 
 def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:

@@ -86,6 +86,10 @@ class Options:
         reshard_last_bucket: with ``reshard_after_forward``, also free the last bucket a graph
             gathers (default False: a graph that gathers several buckets keeps its last one for
             backward, which needs it first; see [Note: the last bucket stays gathered into backward]).
+        overlap_last_reduce: leave the reduce-scatter of the bucket a graph gathers first (backward's
+            last) in flight after backward, and wait for it where its gradient is first read, so the
+            optimizer step overlaps it (default False; see [Note: the last reduce-scatter overlaps the
+            optimizer step] in runtime/deferred_reduce.py). Graphs of one bucket keep their reduce-scatter.
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
@@ -114,6 +118,7 @@ class Options:
     compiler: str = "inductor"
     reshard_after_forward: bool = True
     reshard_last_bucket: bool = False
+    overlap_last_reduce: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     bucket_size: int | None = None
@@ -126,7 +131,7 @@ class Options:
     gradient_divide_factor: float | None = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "reshard_last_bucket",
-              "mp_policy", "bucket_size",
+              "overlap_last_reduce", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor")
 

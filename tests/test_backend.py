@@ -44,7 +44,9 @@ def _saved_for_backward(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _structure_worker(rank: int, world: int, compiler: str) -> None:
-    for reshard, reshard_last in ((True, False), (True, True), (False, False)):
+    # The settings change the joint graph, which both compilers partition alike: Inductor runs the default only.
+    settings = ((True, False), (True, True), (False, False)) if compiler == "aot_eager" else ((True, False),)
+    for reshard, reshard_last in settings:
         torch._dynamo.reset()
         before = set(map(id, records()))
         torch.manual_seed(0)

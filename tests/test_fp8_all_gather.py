@@ -199,7 +199,8 @@ class _nullcontext:
 
 
 def _inductor(rank: int, world: int) -> dict:
-    return {"inductor": _train(rank, world, "inductor")}  # aot_eager: the no_sync, HSDP and composition cases
+    # One layer: Inductor's compile time grows with the graph. aot_eager: the no_sync, HSDP and composition cases.
+    return {"inductor": _train(rank, world, "inductor", layers=1)}
 
 
 def _check(result: dict, label: str, tolerance: float = TOLERANCE) -> None:
@@ -227,7 +228,7 @@ def test_parity_and_traffic_2_ranks():
             _check(r[compiler], f"{compiler}/rank{rank}")
             assert r[compiler]["bitwise"]
         r = results[0][compiler]
-        assert r["fp8_names"] == [f"layers.{i}.{w}.weight" for i in range(2)
+        assert r["fp8_names"] == [f"layers.0.{w}.weight"
                                   for w in ("attn.wk", "attn.wo", "attn.wq", "attn.wv", "ffn.w1", "ffn.w2", "ffn.w3")]
         _check_traffic(r, compiler)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -121,13 +121,16 @@ def rewrite_parameters(
 
 
 
-def accumulating_variant(rewritten: Rewritten) -> tuple[fx.GraphModule, dict[int, GatherConfig]]:
-    """A copy of the rewritten graph whose trainable buckets accumulate their gradient unreduced.
+def accumulating_variant(rewritten: Rewritten, only: Collection[int] | None = None
+                         ) -> tuple[fx.GraphModule, dict[int, GatherConfig]]:
+    """A copy of the rewritten graph whose trainable buckets (those at positions ``only`` in
+    ``rewritten.buffers``, if given) hand their gradient out unreduced.
 
-    See [Note: gradient accumulation without sync]. The copy takes, after the bucket shards, one
-    ``bucketN_pending`` input per trainable bucket (returned, in input order: each one's position in
-    ``rewritten.buffers`` → the :class:`GatherConfig` its graph uses), and its ``gather_bucket`` calls hand their gradient to it instead of reduce-scattering it.
-    ``rewritten.gm`` is left as is.
+    See [Note: gradient accumulation without sync] (all trainable buckets) and [Note: the last
+    reduce-scatter overlaps the optimizer step] (one). The copy takes, after the bucket shards, one
+    ``bucketN_pending`` input per such bucket (returned, in input order: each one's position in
+    ``rewritten.buffers`` → the :class:`GatherConfig` its graph uses), and its ``gather_bucket`` calls
+    hand their gradient to it instead of reduce-scattering it. ``rewritten.gm`` is left as is.
     """
     gm = copy_dynamo_graph(rewritten.gm)
     graph = gm.graph
@@ -137,7 +140,7 @@ def accumulating_variant(rewritten: Rewritten) -> tuple[fx.GraphModule, dict[int
     trainable: dict[int, GatherConfig] = {}
     for i, buf in enumerate(rewritten.buffers):
         gathers = [u for u in shards[i].users if u.op == "call_function" and u.target is gather_bucket]
-        if not buf.shard.requires_grad or not gathers:
+        if not buf.shard.requires_grad or not gathers or (only is not None and i not in only):
             continue
         trainable[i] = GatherConfig(**gathers[0].kwargs)
         with graph.inserting_after(after):

@@ -52,7 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..placement import RaggedShard
 from ..planner import Layout
-from . import flat_buffers
+from . import deferred_reduce, flat_buffers
 from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .ragged_tensor import RaggedShardTensor, ragged_part
@@ -143,6 +143,10 @@ class DBuffer:
         self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
         self._pending_config: GatherConfig | None = None
         self._flush_queued = False
+        # [Note: the last reduce-scatter overlaps the optimizer step] in runtime/deferred_reduce.py
+        self._deferred: torch.Tensor | None = None  # leaf whose .grad is this step's unreduced gradient (m·S)
+        self._deferred_config: GatherConfig | None = None
+        self._deferred_queued = False
         # Reduced gradients are divided by this (None: the data-parallel degree, a mean); see
         # fsdp_pass.set_gradient_divide_factor. Compiled graphs hold it as a constant.
         self.gradient_divide_factor: float | None = None
@@ -235,6 +239,7 @@ class DBuffer:
         """
         grad = None if self._grad_ref is None else self._grad_ref()
         if grad is not None:
+            deferred_reduce.settle_tensor(grad)
             cleared = [name for name, p in self.params.items() if p.requires_grad and not _is_view_of(p.grad, grad)]
             if len(cleared) == len(self.trainable_names):
                 grad = None
@@ -303,14 +308,43 @@ class DBuffer:
         grad = pending.grad
         pending.grad = None
         del pending
-        reduced = reduce_gradient(grad, config, self.dtype)
-        del grad
+        self._add_reduced(reduce_gradient(grad, config, self.dtype))
+
+    def _add_reduced(self, reduced: torch.Tensor) -> None:
+        """Add a reduced gradient shard into the bucket's gradient (it becomes the gradient if none) and attach it."""
         shard_grad = self.gradient_buffer()
         if shard_grad is None:
             shard_grad = reduced
         else:
             shard_grad.add_(reduced)
         self.attach_grads(shard_grad)
+
+    def deferred_input(self, config: GatherConfig) -> torch.Tensor:
+        """The autograd leaf the compiled graph hands this bucket's unreduced gradient to, when its
+        reduce-scatter is left in flight after backward ([Note: the last reduce-scatter overlaps the
+        optimizer step]); made once."""
+        if self._deferred is None:
+            self._deferred = pending_leaf(self, config)
+            self._deferred_config = config
+            ref = weakref.ref(self)
+            self._deferred.register_post_accumulate_grad_hook(lambda _, ref=ref: _queue_deferred_reduce(ref))
+        return self._deferred
+
+    @torch.no_grad()
+    def reduce_deferred(self) -> None:
+        """Issue the reduce-scatter of the gradient handed to :meth:`deferred_input` and attach its output
+        without waiting; reduce at once (as the graph would) where waiting later is not exact or simple."""
+        self._deferred_queued = False
+        leaf, config = self._deferred, self._deferred_config
+        if leaf is None or leaf.grad is None:
+            return
+        grad = leaf.grad
+        leaf.grad = None
+        if (self.gradient_buffer() is None and config.shard_world > 1 and config.replicate_world == 1
+                and config.reduce_dtype == self.dtype):
+            self.attach_grads(deferred_reduce.start(grad, config))
+        else:
+            self._add_reduced(reduce_gradient(grad, config, self.dtype))
 
     @property
     def grad_divisor(self) -> float:
@@ -379,6 +413,21 @@ def _queue_flush(ref: weakref.ref) -> None:
         return
     buf._flush_queued = True
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(ref))
+
+
+def _queue_deferred_reduce(ref: weakref.ref) -> None:
+    """Post-accumulate-grad hook of a deferred-reduce leaf: reduce at the end of this backward, once."""
+    buf = ref()
+    if buf is None or buf._deferred_queued:
+        return
+    buf._deferred_queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _reduce_deferred(ref))
+
+
+def _reduce_deferred(ref: weakref.ref) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.reduce_deferred()
 
 
 def _flush(ref: weakref.ref) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import collectives, flat_buffers
+from . import collectives, deferred_reduce, flat_buffers
 from .dbuffer import BUCKET_ATTR, bucket_of
 from .eager import is_eager_gatherable, whole_parameter
 from .ragged_tensor import PARAMETER_NAME, RaggedShardTensor, RaggedSpec
@@ -39,6 +39,8 @@ aten = torch.ops.aten
 
 def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
     """Run ``func`` on RaggedShard arguments: the first case that applies handles it."""
+    if deferred_reduce.any_in_flight():  # [Note: the last reduce-scatter overlaps the optimizer step]
+        deferred_reduce.settle_read((args, kwargs))
     call = _OpCall(func, args, kwargs or {})
     if _is_model_code_on_fake_pieces(call):
         return _run_on_full_shape_stand_ins(call)

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..placement import RaggedShard, transfer_splits
-from . import checkpoint, collectives
+from . import checkpoint, collectives, deferred_reduce
 
 __all__ = ["RaggedShardTensor", "RaggedSpec", "distribute_tensor", "local_block", "ragged_part", "whole_tensor"]
 
@@ -174,12 +174,14 @@ class RaggedShardTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """This rank's flat piece (the stored tensor itself, not a copy)."""
+        deferred_reduce.settle_tensor(self._local)
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor, on every rank of ``mesh_dim`` (one padded all-gather; not differentiable)."""
         spec = self._spec
         sizes = [spec.placement.local_numel(r) for r in range(spec.world_size)]
+        deferred_reduce.settle_tensor(self._local)
         return collectives.all_gather_padded(self._local, sizes, spec.group).view(spec.shape)
 
     def redistribute(
@@ -219,6 +221,7 @@ class RaggedShardTensor(torch.Tensor):
             return self
         target = RaggedSpec(spec.shape, placement, spec.mesh, spec.mesh_dim)
         send, recv = transfer_splits(spec.placement, placement, spec.rank)
+        deferred_reduce.settle_tensor(self._local)
         local = collectives.all_to_all_uneven(self._local, send, recv, spec.group)
         return RaggedShardTensor(local, target)
 
@@ -254,9 +257,11 @@ class RaggedShardTensor(torch.Tensor):
         return checkpoint.create_chunk_list(self)
 
     def __get_tensor_shard__(self, index):
+        deferred_reduce.settle_tensor(self._local)
         return checkpoint.get_tensor_shard(self, index)
 
     def __tensor_flatten__(self) -> tuple[list[str], RaggedSpec]:
+        deferred_reduce.settle_tensor(self._local)  # [Note: the last reduce-scatter overlaps the optimizer step]
         return ["_local"], self._spec
 
     @staticmethod
@@ -267,6 +272,7 @@ class RaggedShardTensor(torch.Tensor):
         return RaggedShardTensor(local, spec, requires_grad=local.requires_grad)
 
     def __repr__(self) -> str:
+        deferred_reduce.settle_tensor(self._local)
         return f"RaggedShardTensor({self._spec.describe()}, local={self._local!r})"
 
     def __reduce_ex__(self, protocol):

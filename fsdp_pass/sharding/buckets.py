@@ -34,7 +34,7 @@ class ShardingConfig:
         bucket_numel: most elements in one bucket (None: one bucket per unit, split only by block sizes).
         align_bytes: every tensor start and the per-rank shard size are multiples of this many bytes.
         param_dtype: dtype parameters are gathered in (affects alignment in elements).
-        min_bucket_bytes: units smaller than this are merged with their neighbours (None: the cost
+        min_bucket_bytes: neighbouring units are grouped into buckets of at least this many bytes (None: the cost
             model of :func:`default_min_bucket_bytes`; 0: one bucket per unit).
     """
 
@@ -156,21 +156,32 @@ def plan_parameter_buckets(
 
 
 def _merge_small_units(units: list, min_bytes: int, max_numel: int | None) -> list:
-    """Merge neighbouring units (same dtype and trainability) while either side is under ``min_bytes``."""
+    """Group neighbouring units of one kind (dtype, trainability, mesh, FP8) into buckets of at least
+    ``min_bytes``: a group takes the next unit while it is still under ``min_bytes`` (and the sum stays
+    within ``max_numel``); a group left under ``min_bytes`` joins the group before it when it can.
+
+    A unit at or above ``min_bytes`` is never merged with another at or above it, so units of about
+    the threshold's size pair up rather than chain into one bucket."""
 
     def size(members) -> tuple[int, int]:
         numel = sum(ragged_part(p).numel() for _, p in members)
         return numel, numel * members[0][1].element_size()
 
+    def joinable(a, b) -> bool:
+        return a[0][1:] == b[0][1:] and (max_numel is None or size(a[1])[0] + size(b[1])[0] <= max_numel)
+
+    def close_last(groups: list) -> None:  # a finished group still under min_bytes joins its predecessor
+        if len(groups) > 1 and size(groups[-1][1])[1] < min_bytes and joinable(groups[-2], groups[-1]):
+            _, last = groups.pop()
+            groups[-1] = (groups[-1][0], groups[-1][1] + last)
+
     merged: list = []
     for key, members in units:
-        if merged:
-            last_key, last = merged[-1]
-            (last_numel, last_bytes), (numel, nbytes) = size(last), size(members)
-            same_kind = last_key[1:] == key[1:]
-            fits = max_numel is None or last_numel + numel <= max_numel
-            if same_kind and fits and (last_bytes < min_bytes or nbytes < min_bytes):
-                merged[-1] = (last_key, last + members)
-                continue
-        merged.append((key, list(members)))
+        unit = (key, list(members))
+        if merged and size(merged[-1][1])[1] < min_bytes and joinable(merged[-1], unit):
+            merged[-1] = (merged[-1][0], merged[-1][1] + unit[1])
+            continue
+        close_last(merged)
+        merged.append(unit)
+    close_last(merged)
     return merged

@@ -1,0 +1,109 @@
+"""Across the step boundary: the last reduce-scatter left in flight into the optimizer step
+(``overlap_last_reduce``, [Note: the last reduce-scatter overlaps the optimizer step]).
+
+Bitwise against the same model compiled without the option, in the same processes, for the ways a
+training loop reads the gradients: torch's AdamW (foreach and fused) and SGD, ``clip_grad_norm_``, a
+``zero_grad(set_to_none=True)`` that leaves the gradient unread, two backwards into one gradient,
+``no_sync`` accumulation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import fsdp_pass
+from fsdp_pass.runtime import deferred_reduce
+from fsdp_pass.runtime.dbuffer import buffers_of
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+
+STEPS = 3
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 61, (2, 8), generator=g)
+
+
+def _pair(options: dict):
+    """The same model twice: compiled with and without ``overlap_last_reduce``."""
+    torch._dynamo.reset()  # a fresh model per case: stay below Dynamo's recompile limit
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()))
+    models = []
+    for overlap in (True, False):
+        m = copy.deepcopy(model)
+        models.append(torch.compile(m, backend="vescale", options={
+            "compiler": "aot_eager", "min_bucket_bytes": 0, "overlap_last_reduce": overlap, **options}))
+    return models
+
+
+def _assert_same(tag: str, a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.detach().full_tensor(), q.detach().full_tensor()), f"{tag}: parameter {name} differs"
+        if (p.grad is None) != (q.grad is None):
+            raise AssertionError(f"{tag}: {name}.grad is None on one model only")
+        if p.grad is not None:
+            assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), f"{tag}: {name}.grad differs"
+
+
+def _train(tag: str, rank: int, models, make_opt, read: dict, steps: int = STEPS, micro: int = 1,
+           no_sync: bool = False) -> None:
+    opts = [make_opt(m.parameters()) for m in models]
+    for step in range(steps):
+        for model, opt in zip(models, opts):
+            for k in range(micro):
+                if no_sync and k < micro - 1:
+                    with fsdp_pass.no_sync(model):
+                        lm_loss(model(_batch(step * micro + k, rank)), _batch(step * micro + k, rank)).backward()
+                else:
+                    lm_loss(model(_batch(step * micro + k, rank)), _batch(step * micro + k, rank)).backward()
+            # A backward into a gradient already held reduces at once (the later micro-batches; steps
+            # after one that keeps its gradients).
+            if model is models[0] and micro == 1 and (step == 0 or read.get("zeroes", True)):
+                assert deferred_reduce.any_in_flight(), f"{tag}: nothing in flight after backward"
+            read["step"](model, opt)
+        assert not deferred_reduce.any_in_flight(), f"{tag}: a gradient left in flight after the step"
+        _assert_same(f"{tag} step {step}", *models)
+
+
+def _step(model, opt) -> None:
+    opt.step()
+    opt.zero_grad()
+
+
+def _clip_and_step(model, opt) -> None:
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    assert total.item() > 0.05  # the clip scales: the norm read every gradient, the deferred one included
+    opt.step()
+
+
+def _unread_then_cleared(model, opt) -> None:
+    opt.zero_grad(set_to_none=True)  # nobody reads the gradient: the next forward finishes its reduce-scatter
+    lm_loss(model(_batch(99, dist.get_rank())), _batch(99, dist.get_rank())).backward()  # settles it
+    opt.step()
+    opt.zero_grad()
+
+
+def _cases(rank: int, world: int) -> None:
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    _train("AdamW foreach", rank, _pair({}), adamw, {"step": _step})
+    _train("AdamW fused", rank, _pair({}), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), {"step": _step})
+    _train("SGD + clip_grad_norm_, gradients kept", rank, _pair({}),
+           lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"step": _clip_and_step, "zeroes": False})
+    _train("zero_grad(set_to_none) before any read", rank, _pair({}), adamw, {"step": _unread_then_cleared})
+    _train("two backwards into one gradient", rank, _pair({}), adamw, {"step": _step}, micro=2)
+    _train("no_sync", rank, _pair({}), adamw, {"step": _step}, micro=3, no_sync=True)
+    # The option changed the graph: the first bucket's gradient leaves it unreduced.
+    model = _pair({})[0]
+    lm_loss(model(_batch(0, rank)), _batch(0, rank)).backward()
+    first = buffers_of(model)[0]
+    assert first._deferred is not None and deferred_reduce.any_in_flight()
+    deferred_reduce.settle_all()
+
+
+def test_last_reduce_scatter_in_flight_into_the_step_is_bitwise_the_same():
+    run_distributed(_cases, 2)
