@@ -44,6 +44,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp_pass_inductor_reshard_last", "fsdp_pass inductor, overlap on, last bucket resharded too",
            inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
                                                          "reshard_last_bucket": True}),
+    System("fsdp_pass_inductor_overlap_reduce", "fsdp_pass inductor, overlap on, last reduce-scatter into the step",
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
+                                                         "overlap_last_reduce": True}),
 )}
 
 

@@ -31,7 +31,7 @@ from torch._dynamo import register_backend
 from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
-from .passes.rewrite import accumulating_variant, copy_dynamo_graph
+from .passes.rewrite import Rewritten, accumulating_variant, copy_dynamo_graph
 from .runtime import deferred_reduce, uninitialized
 from .runtime.dbuffer import DBuffer, pending_leaf
 from .runtime.gather import gather_bucket
@@ -168,14 +168,16 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     return run
 
 
-def _deferred_bucket(rewritten) -> int | None:
+def _deferred_bucket(rewritten: Rewritten) -> int | None:
     """The trainable bucket the graph gathers first, whose reduce-scatter is backward's last: its
     position in ``rewritten.buffers``; None for a graph of fewer than two trainable buckets ([Note: the
     last reduce-scatter overlaps the optimizer step]: a block compiled on its own keeps its reduce-scatter)."""
-    shards = {node: i for i, node in enumerate(list(rewritten.gm.graph.find_nodes(op="placeholder"))[:len(rewritten.buffers)])}
-    order = [shards[node.args[0]] for node in rewritten.gm.graph.find_nodes(op="call_function", target=gather_bucket)
-             if node.args and node.args[0] in shards and rewritten.buffers[shards[node.args[0]]].shard.requires_grad]
-    trainable = list(dict.fromkeys(order))
+    graph = rewritten.gm.graph
+    shard_inputs = list(graph.find_nodes(op="placeholder"))[:len(rewritten.buffers)]
+    position = {node: i for i, node in enumerate(shard_inputs)}
+    gathered = [position[node.args[0]] for node in graph.find_nodes(op="call_function", target=gather_bucket)
+                if node.args and node.args[0] in position]
+    trainable = [i for i in dict.fromkeys(gathered) if rewritten.buffers[i].shard.requires_grad]
     return trainable[0] if len(trainable) > 1 else None
 
 

@@ -58,7 +58,8 @@ def fully_shard(
             tensor/expert-parallel DTensor parameters, the data-parallel dim name(s).
         replicate_dim: the HSDP dim of a named mesh.
         bucket_size: most elements in one bucket.
-        min_bucket_bytes: smaller units are merged with neighbours (default: cost model; 0: never).
+        min_bucket_bytes: neighbouring units are grouped into buckets of at least this many bytes
+            (default: the cost model; 0: one bucket per unit).
         block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
         align_bytes: alignment of tensor starts and shard sizes.
         fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}``: the layer

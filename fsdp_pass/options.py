@@ -94,8 +94,8 @@ class Options:
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
             such as ``layers.3``, split only where block sizes differ).
-        min_bucket_bytes: units smaller than this are merged with their neighbours into one bucket
-            (default: a latency/bandwidth cost model, 1 MB on CPU/gloo, 15 MB on GPUs; 0: never merge).
+        min_bucket_bytes: neighbouring units are grouped until a bucket holds at least this many bytes
+            (default: a latency x bandwidth cost model, 1.3 MB on CPU/gloo, 1.5 MB on GPUs; 0: never merge).
         block_sizes: ``{fnmatch pattern on parameter names: rows}`` (or ``{"elements": n}``): blocks
             that no rank boundary may cut.
         align_bytes: tensor starts and shard sizes are multiples of this many bytes (default 16).

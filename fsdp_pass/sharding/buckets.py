@@ -22,8 +22,8 @@ from ..runtime.mesh import ShardingMesh
 from ..runtime.ragged_tensor import RaggedShardTensor, ragged_part
 from .mesh_roles import ParallelMesh
 
-__all__ = ["BucketPlan", "ShardingConfig", "check_one_device", "default_min_bucket_bytes", "plan_parameter_buckets",
-           "unit_key"]
+__all__ = ["BucketPlan", "ShardingConfig", "check_one_device", "default_min_bucket_bytes", "min_bucket_bytes_for",
+           "plan_parameter_buckets", "unit_key"]
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,28 @@ class BucketPlan:
     fp8_tile: int | None = None  # its parameters are gathered in FP8 ([Note: FP8 all-gather])
 
 
-# Collective cost model: time = latency + bytes / bandwidth. Below latency x bandwidth bytes a
-# collective is latency-bound; at ten times that, latency is under 10% of the transfer. Rough
-# figures: gloo on one host ~50 us and ~2 GB/s; NCCL within a node ~15 us and ~100 GB/s.
-_LATENCY_S = {"cpu": 50e-6, "cuda": 15e-6}
-_BANDWIDTH_BYTES_PER_S = {"cpu": 2e9, "cuda": 100e9}
+# [Note: the bucket cost model]
+# One collective takes latency + bytes / bandwidth. Below latency x bandwidth bytes (what one
+# latency moves) it spends more of its time on the fixed cost than on moving data, so units smaller
+# than that are grouped with their neighbours. The constants are per device type: gloo's measured on
+# the 2-core CPU machine by benchmarks/collective_cost.py (docs/benchmarks.md, "The bucket cost
+# model": all-gathers 1.2-1.5 ms + 1.3-1.5 GB/s, reduce-scatters 0.9-1.5 ms + 0.6-0.7 GB/s, bytes
+# counted whole-bucket; a bucket's step has two all-gathers and one reduce-scatter, so per collective
+# about 1.3 ms and 1 GB/s: 1.3 MB); NCCL's are typical figures within a node (~15 us, ~100 GB/s:
+# 1.5 MB), not measured here.
+_LATENCY_S = {"cpu": 1.3e-3, "cuda": 15e-6}
+_BANDWIDTH_BYTES_PER_S = {"cpu": 1e9, "cuda": 100e9}
+
+
+def min_bucket_bytes_for(latency_s: float, bandwidth_bytes_per_s: float) -> int:
+    """Smallest bucket worth its own collective: latency x bandwidth ([Note: the bucket cost model])."""
+    return int(latency_s * bandwidth_bytes_per_s)
 
 
 def default_min_bucket_bytes(device_type: str) -> int:
-    """Smallest bucket worth its own collective: ten times latency x bandwidth."""
+    """:func:`min_bucket_bytes_for` with the constants of ``device_type`` (any accelerator: NCCL's)."""
     kind = device_type if device_type in _LATENCY_S else "cuda"
-    return int(10 * _LATENCY_S[kind] * _BANDWIDTH_BYTES_PER_S[kind])
+    return min_bucket_bytes_for(_LATENCY_S[kind], _BANDWIDTH_BYTES_PER_S[kind])
 
 
 def unit_key(name: str) -> str:
