@@ -109,9 +109,5 @@ def test_parity_aot_eager(world):
 
 
 def test_parity_inductor_2_ranks():
+    """4 ranks (flat and 2x2 HSDP) run under aot_eager: test_parity_aot_eager[4]."""
     run_distributed(_run_cases, 2, [c.name for c in _all_cases() if "inductor" in c.name])
-
-
-def test_parity_inductor_2x2_hsdp():
-    """Our llama on 4 ranks as 2x2 HSDP (flat 4-rank sharding runs under aot_eager: test_parity_aot_eager[4])."""
-    run_distributed(_run_cases, 4, [], None, tuple(_llama("inductor")))

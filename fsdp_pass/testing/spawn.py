@@ -36,11 +36,8 @@ _OK, _ERROR = "ok", "error"
 # (0.1 s for the same run). Each rank is still a fresh process: nothing a run does (process groups,
 # Dynamo caches, patches, the random state) reaches the next one, because the server itself never
 # runs a rank's function. The environment a rank sees is the server's, taken when the first run
-# started it; a rank sets what it needs (``set_launcher_env``) itself. transformers' Llama, which most
-# framework tests build (1.9 s to import), is preloaded too where installed (the forkserver skips a
-# module that does not import); it starts no thread at import.
-_PRELOADED = ["fsdp_pass", "fsdp_pass.testing.spawn", "torch._inductor.compile_fx",
-              "transformers.models.llama.modeling_llama"]
+# started it; a rank sets what it needs (``set_launcher_env``) itself.
+_PRELOADED = ["fsdp_pass", "fsdp_pass.testing.spawn", "torch._inductor.compile_fx"]
 
 
 def _context() -> Any:
