@@ -285,11 +285,16 @@ class DBuffer:
     def pending_input(self, config: GatherConfig) -> torch.Tensor:
         """The autograd leaf whose ``.grad`` accumulates the unsharded gradient (made on first use)."""
         if self._pending is None:
-            self._pending = pending_leaf(self, config)
+            self._pending = self._gradient_leaf(config, _queue_flush)
             self._pending_config = config
-            ref = weakref.ref(self)
-            self._pending.register_post_accumulate_grad_hook(lambda _, ref=ref: _queue_flush(ref))
         return self._pending
+
+    def _gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
+        """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
+        leaf = pending_leaf(self, config)
+        ref = weakref.ref(self)  # hooks live in C++: a strong reference would keep the model alive
+        leaf.register_post_accumulate_grad_hook(lambda _, ref=ref: on_gradient(ref))
+        return leaf
 
     @property
     def pending_bytes(self) -> int:
@@ -324,10 +329,8 @@ class DBuffer:
         reduce-scatter is left in flight after backward ([Note: the last reduce-scatter overlaps the
         optimizer step]); made once."""
         if self._deferred is None:
-            self._deferred = pending_leaf(self, config)
+            self._deferred = self._gradient_leaf(config, _queue_deferred_reduce)
             self._deferred_config = config
-            ref = weakref.ref(self)
-            self._deferred.register_post_accumulate_grad_hook(lambda _, ref=ref: _queue_deferred_reduce(ref))
         return self._deferred
 
     @torch.no_grad()
