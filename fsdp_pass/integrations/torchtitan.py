@@ -11,9 +11,9 @@ under torchtitan's names (:data:`CONFIGS`), each made by torchtitan's own functi
 spec, data, optimizer, schedule and loss, and these changes (:func:`with_fsdp_pass`):
 
 * the model spec's ``parallelize_fn`` is :func:`parallelize`: torchtitan's tensor parallelism (when
-  asked) and activation checkpointing, then ``fsdp_pass.fully_shard`` on the data-parallel mesh dims and, with ``--compile.enable``, each
-  transformer block compiled with the ``vescale`` backend; torchtitan's mixed precision, reshard
-  and gradient scale settings carry over;
+  asked) and activation checkpointing, then ``fsdp_pass.fully_shard`` on the data-parallel mesh dims
+  and, with ``--compile.enable``, each transformer block compiled with the ``vescale`` backend;
+  torchtitan's mixed precision, reshard and gradient scale settings carry over;
 * the checkpointer is :class:`CheckpointManager`, torchtitan's DCP checkpointer, which saves the
   sharded parameters as they are (any world size loads them);
 * a fused QKV projection (``FusedQKVLinear``) is built as torchtitan's separate ``wq``/``wk``/``wv``
