@@ -31,8 +31,8 @@ from torch._dynamo import register_backend
 from . import log
 from .options import Options
 from .passes.pipeline import compile_scheduled, run_passes
-from .passes.rewrite import Rewritten, accumulating_variant, copy_dynamo_graph
-from .runtime import deferred_reduce, uninitialized
+from .passes.rewrite import Rewritten, accumulating_variant, copy_dynamo_graph, prefetching_variant
+from .runtime import deferred_reduce, step_prefetch, uninitialized
 from .runtime.dbuffer import DBuffer, pending_leaf
 from .runtime.gather import gather_bucket
 from .runtime.rebind import ShardBinding
@@ -131,15 +131,32 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     dropped = set(rewritten.dropped)
     shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
-    accumulating = _AccumulatingVariant(rewritten, opts, record, fake_mode, shard_fakes, rest)
-    deferred = _deferred_bucket(rewritten) if opts.overlap_last_reduce else None
-    if deferred is None:
-        compiled = compile_scheduled(rewritten.gm, shard_fakes + rest, opts, record, rewritten.buffers)
-    else:  # [Note: the last reduce-scatter overlaps the optimizer step]
-        deferring, deferred_configs = accumulating_variant(rewritten, only={deferred})
+    fakes = lambda tensors: [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]  # noqa: E731
+    accumulating_gm, accumulating_configs = accumulating_variant(rewritten)
+    accumulating = _LazyVariant(accumulating_gm, opts, _Suffixed(record, " (accumulate)"), fake_mode, rewritten.buffers,
+                                shard_fakes + fakes(pending_leaf(rewritten.buffers[i], c)
+                                                    for i, c in accumulating_configs.items()) + rest)
+    gathered_first = _gathered_buckets(rewritten)
+    deferred = _deferred_bucket(rewritten, gathered_first) if opts.overlap_last_reduce else None
+    main_gm, main_leaves = rewritten.gm, []
+    if deferred is not None:  # [Note: the last reduce-scatter overlaps the optimizer step]
+        main_gm, deferred_configs = accumulating_variant(rewritten, only={deferred})
         deferred_config = deferred_configs[deferred]
-        leaf = fake_mode.from_tensor(pending_leaf(rewritten.buffers[deferred], deferred_config), static_shapes=True)
-        compiled = compile_scheduled(deferring, shard_fakes + [leaf] + rest, opts, record, rewritten.buffers)
+        main_leaves = fakes([pending_leaf(rewritten.buffers[deferred], deferred_config)])
+    compiled = compile_scheduled(main_gm, shard_fakes + main_leaves + rest, opts, record, rewritten.buffers)
+    prefetched = None
+    first = gathered_first[0] if len(gathered_first) > 1 else None
+    if opts.prefetch_next_step and first is not None and rewritten.configs[first].shard_world > 1:
+        # [Note: the next step's first gather starts at the optimizer step]
+        first_config = rewritten.configs[first]
+        leading = len(rewritten.buffers) + len(main_leaves)
+        gathered_fake = fake_mode.from_tensor(torch.empty(
+            rewritten.buffers[first].shard.numel() * first_config.shard_world, dtype=first_config.param_dtype,
+            device=rewritten.buffers[first].shard.device), static_shapes=True)
+        prefetched = _LazyVariant(prefetching_variant(main_gm, leading, first), opts,
+                                  _Suffixed(record, " (prefetched)"), fake_mode, rewritten.buffers,
+                                  shard_fakes + main_leaves + [gathered_fake] + rest)
+        step_prefetch.enable()
     _remember(record)
 
     binding = ShardBinding(rewritten.dropped, [s.param for s in result.sites], rewritten.buffers, rewritten.configs)
@@ -156,28 +173,41 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             deferred_reduce.settle_all()
         _check_divide_factors(buffers, rewritten.configs)
         shards = [b.shard for b in buffers]
-        rest_args = (a for i, a in enumerate(args) if i not in dropped)
-        trainable = [(buffers[i], config) for i, config in accumulating.configs.items()]
+        rest_args = [a for i, a in enumerate(args) if i not in dropped]
+        trainable = [(buffers[i], config) for i, config in accumulating_configs.items()]
         if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
+            if step_prefetch.in_flight():
+                step_prefetch.discard(buffers)
             pending = [b.pending_input(config) for b, config in trainable]
             return accumulating.compiled()(*shards, *pending, *rest_args)
-        if deferred is None:
-            return compiled(*shards, *rest_args)
-        return compiled(*shards, buffers[deferred].deferred_input(deferred_config), *rest_args)
+        leaves = [] if deferred is None else [buffers[deferred].deferred_input(deferred_config)]
+        if prefetched is not None:
+            step_prefetch.note_first(buffers[first], first_config)
+            gathered = step_prefetch.take(buffers[first], first_config)
+            if gathered is not None:
+                return prefetched.compiled()(*shards, *leaves, gathered, *rest_args)
+        if step_prefetch.in_flight():
+            step_prefetch.discard(buffers)
+        return compiled(*shards, *leaves, *rest_args)
 
     return run
 
 
-def _deferred_bucket(rewritten: Rewritten) -> int | None:
-    """The trainable bucket the graph gathers first, whose reduce-scatter is backward's last: its
-    position in ``rewritten.buffers``; None for a graph of fewer than two trainable buckets ([Note: the
-    last reduce-scatter overlaps the optimizer step]: a block compiled on its own keeps its reduce-scatter)."""
+def _gathered_buckets(rewritten: Rewritten) -> list[int]:
+    """The buckets the graph gathers, in the order it first gathers them (positions in ``rewritten.buffers``)."""
     graph = rewritten.gm.graph
     shard_inputs = list(graph.find_nodes(op="placeholder"))[:len(rewritten.buffers)]
     position = {node: i for i, node in enumerate(shard_inputs)}
     gathered = [position[node.args[0]] for node in graph.find_nodes(op="call_function", target=gather_bucket)
                 if node.args and node.args[0] in position]
-    trainable = [i for i in dict.fromkeys(gathered) if rewritten.buffers[i].shard.requires_grad]
+    return list(dict.fromkeys(gathered))
+
+
+def _deferred_bucket(rewritten: Rewritten, gathered: list[int]) -> int | None:
+    """The trainable bucket the graph gathers first, whose reduce-scatter is backward's last: its
+    position in ``rewritten.buffers``; None for a graph of fewer than two trainable buckets ([Note: the
+    last reduce-scatter overlaps the optimizer step]: a block compiled on its own keeps its reduce-scatter)."""
+    trainable = [i for i in gathered if rewritten.buffers[i].shard.requires_grad]
     return trainable[0] if len(trainable) > 1 else None
 
 
@@ -192,27 +222,23 @@ def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:
             )
 
 
-class _AccumulatingVariant:
-    """The graph variant that accumulates unreduced gradients, compiled on first use
-    ([Note: gradient accumulation without sync]): under a fresh tracing context on Dynamo's fake
-    mode, with the fakes Dynamo's own compile used, so it sees the same (possibly symbolic) shapes."""
+class _LazyVariant:
+    """A graph variant compiled on first use (never through Dynamo): the accumulating one ([Note:
+    gradient accumulation without sync]) or the prefetched one ([Note: the next step's first gather
+    starts at the optimizer step]). It compiles under a fresh tracing context on Dynamo's fake mode,
+    with the fakes Dynamo's own compile used, so it sees the same (possibly symbolic) shapes."""
 
-    def __init__(self, rewritten, opts: Options, record: CompiledGraph, fake_mode, shard_fakes: list, rest: list):
-        self.gm, configs = accumulating_variant(rewritten)
-        buffers = rewritten.buffers
-        self.configs = configs  # position in the graph's buckets → its gather arguments, in pending-input order
-        self._opts, self._record, self._fake_mode = opts, record, fake_mode
-        self._buffers = buffers
-        pending = [fake_mode.from_tensor(pending_leaf(buffers[i], c), static_shapes=True) for i, c in configs.items()]
-        self._inputs = shard_fakes + pending + [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
-                                                isinstance(x, torch._subclasses.FakeTensor) else x for x in rest]
+    def __init__(self, gm: fx.GraphModule, opts: Options, sink: "_Suffixed", fake_mode, buffers: list[DBuffer],
+                 inputs: list):
+        self.gm, self._opts, self._sink, self._fake_mode, self._buffers = gm, opts, sink, fake_mode, buffers
+        self._inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
+                        isinstance(x, torch._subclasses.FakeTensor) else x for x in inputs]
         self._compiled: Callable | None = None
 
     def compiled(self) -> Callable:
         if self._compiled is None:
             with torch._guards.tracing(torch._guards.TracingContext(self._fake_mode)):
-                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts,
-                                                   _Suffixed(self._record, " (accumulate)"), self._buffers)
+                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts, self._sink, self._buffers)
             self._inputs = []
         return self._compiled
 

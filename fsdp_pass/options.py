@@ -90,6 +90,10 @@ class Options:
             last) in flight after backward, and wait for it where its gradient is first read, so the
             optimizer step overlaps it (default False; see [Note: the last reduce-scatter overlaps the
             optimizer step] in runtime/deferred_reduce.py). Graphs of one bucket keep their reduce-scatter.
+        prefetch_next_step: issue the all-gather of the bucket a graph gathers first (the next forward's
+            first) when the optimizer step ends, so it overlaps what runs until the next forward; that
+            forward takes it unless a rank's shard changed since (default False; see [Note: the next
+            step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
@@ -119,6 +123,7 @@ class Options:
     reshard_after_forward: bool = True
     reshard_last_bucket: bool = False
     overlap_last_reduce: bool = False
+    prefetch_next_step: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     bucket_size: int | None = None
@@ -131,7 +136,7 @@ class Options:
     gradient_divide_factor: float | None = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "reshard_last_bucket",
-              "overlap_last_reduce", "mp_policy", "bucket_size",
+              "overlap_last_reduce", "prefetch_next_step", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor")
 

@@ -1,10 +1,14 @@
 """Across the step boundary: the last reduce-scatter left in flight into the optimizer step
-(``overlap_last_reduce``, [Note: the last reduce-scatter overlaps the optimizer step]).
+(``overlap_last_reduce``, [Note: the last reduce-scatter overlaps the optimizer step]) and the next
+step's first all-gather issued when the step ends (``prefetch_next_step``, [Note: the next step's
+first gather starts at the optimizer step]).
 
-Bitwise against the same model compiled without the option, in the same processes, for the ways a
+Bitwise against the same model compiled without the options, in the same processes, for the ways a
 training loop reads the gradients: torch's AdamW (foreach and fused) and SGD, ``clip_grad_norm_``, a
 ``zero_grad(set_to_none=True)`` that leaves the gradient unread, two backwards into one gradient,
-``no_sync`` accumulation.
+``no_sync`` accumulation; and for the ways a parameter changes between the step and the next forward
+(then the prefetched gather must not be used): an in-place write on every rank, a write to one rank's
+piece only, ``load_state_dict``, ``fsdp_pass.unshard(writeback=True)``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass
-from fsdp_pass.runtime import deferred_reduce
+from fsdp_pass.backend import records
+from fsdp_pass.runtime import deferred_reduce, step_prefetch
 from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
@@ -29,14 +34,15 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 
 def _pair():
-    """The same model twice: compiled with and without ``overlap_last_reduce``."""
+    """The same model twice: compiled with and without ``overlap_last_reduce`` and ``prefetch_next_step``."""
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig()))
     models = []
     for overlap in (True, False):
         m = copy.deepcopy(model)
         models.append(torch.compile(m, backend="vescale", options={
-            "compiler": "aot_eager", "min_bucket_bytes": 0, "overlap_last_reduce": overlap}))
+            "compiler": "aot_eager", "min_bucket_bytes": 0, "overlap_last_reduce": overlap,
+            "prefetch_next_step": overlap}))
     return models
 
 
@@ -65,6 +71,9 @@ def _train(tag: str, rank: int, models, make_opt, read: dict, steps: int = STEPS
             if model is models[0] and micro == 1 and (step == 0 or read.get("zeroes", True)):
                 assert deferred_reduce.any_in_flight(), f"{tag}: nothing in flight after backward"
             read["step"](model, opt)
+            if model is models[0]:
+                assert step_prefetch.in_flight() == read.get("prefetches", True), f"{tag}: prefetch after the step"
+            read.get("write", lambda m: None)(model)
         assert not deferred_reduce.any_in_flight(), f"{tag}: a gradient left in flight after the step"
         _assert_same(f"{tag} step {step}", *models)
 
@@ -87,10 +96,50 @@ def _unread_then_cleared(model, opt) -> None:
     opt.zero_grad()
 
 
+def _write_everywhere(model) -> None:
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(0.5)
+
+
+def _write_one_piece(model) -> None:
+    """Rank 1 alone changes its own piece: every rank's prefetched copy of it is stale."""
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.tok_embeddings.weight.to_local().add_(1.0)
+
+
+def _load_state_dict(model) -> None:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state[next(k for k in state if k.endswith("tok_embeddings.weight"))].mul_(-1.0)
+    model.load_state_dict(state)
+
+
+def _unshard_writeback(model) -> None:
+    with fsdp_pass.unshard(model, writeback=True):
+        with torch.no_grad():
+            model.tok_embeddings.weight[0].fill_(0.25)
+
+
+def _count_takes(taken: list[bool]) -> None:
+    """Record, for every forward that found a gather in flight for its first bucket, whether it took it."""
+    take = step_prefetch.take
+
+    def counting(buf, config):
+        in_flight = step_prefetch.in_flight()
+        gathered = take(buf, config)
+        if in_flight:
+            taken.append(gathered is not None)
+        return gathered
+
+    step_prefetch.take = counting
+
+
 def _cases(rank: int, world: int) -> None:
     """One pair of models through every way of reading the gradients, one after another (each with
     optimizers of its own): one compile per model."""
     models = _pair()
+    taken: list[bool] = []
+    _count_takes(taken)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
     _train("AdamW foreach", rank, models, adamw, {"step": _step})
     _train("AdamW fused", rank, models, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), {"step": _step}, steps=1)
@@ -100,7 +149,17 @@ def _cases(rank: int, world: int) -> None:
         model.zero_grad()
     _train("zero_grad(set_to_none) before any read", rank, models, adamw, {"step": _unread_then_cleared}, steps=1)
     _train("two backwards into one gradient", rank, models, adamw, {"step": _step}, steps=1, micro=2)
-    _train("no_sync", rank, models, adamw, {"step": _step}, steps=1, micro=3, no_sync=True)
+    _train("no_sync", rank, models, adamw, {"step": _step, "prefetches": False}, steps=1, micro=3, no_sync=True)
+    assert taken and all(taken), f"forwards after a step without writes took the prefetched gather: {taken}"
+    for write in (_write_everywhere, _write_one_piece, _load_state_dict, _unshard_writeback):
+        taken.clear()
+        _train(write.__name__, rank, models, adamw, {"step": _step, "write": write})
+        assert taken[-1] is False, f"{write.__name__}: the forward after the write took the stale gather"
+    forward = next(r.modules for r in records() if "forward (prefetched)" in r.modules)
+    gathers = [len(forward[k].graph.find_nodes(op="call_function", target=torch.ops._c10d_functional
+                                               .all_gather_into_tensor.default))
+               for k in ("forward", "forward (prefetched)")]
+    assert gathers[1] == gathers[0] - 1, f"all-gathers in forward / in the prefetched forward: {gathers}"
     # The option changed the graph: the first bucket's gradient leaves it unreduced.
     assert buffers_of(models[0])[0]._deferred is not None and buffers_of(models[1])[0]._deferred is None
 

@@ -12,6 +12,8 @@ parameter placeholders are removed: the compiled function takes the shards inste
 :func:`accumulating_variant` makes the copy that gradient accumulation without sync runs
 ([Note: gradient accumulation without sync] in runtime/dbuffer.py): one more placeholder per
 trainable bucket, ``bucketN_pending``, passed to its ``gather_bucket`` as ``pending=``.
+:func:`prefetching_variant` makes the copy that takes one bucket already gathered, ``bucketN_gathered``
+([Note: the next step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..runtime.dbuffer import DBuffer
 from ..runtime.gather import GatherConfig, gather_bucket
 from .detect import ParamSite
 
-__all__ = ["Rewritten", "accumulating_variant", "copy_dynamo_graph", "rewrite_parameters"]
+__all__ = ["Rewritten", "accumulating_variant", "copy_dynamo_graph", "prefetching_variant", "rewrite_parameters"]
 
 
 @dataclass
@@ -133,23 +135,48 @@ def accumulating_variant(rewritten: Rewritten, only: Collection[int] | None = No
     hand their gradient to it instead of reduce-scattering it. ``rewritten.gm`` is left as is.
     """
     gm = copy_dynamo_graph(rewritten.gm)
-    graph = gm.graph
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    shards = placeholders[: len(rewritten.buffers)]
+    shards = list(gm.graph.find_nodes(op="placeholder"))[: len(rewritten.buffers)]
     after = shards[-1] if shards else None
     trainable: dict[int, GatherConfig] = {}
     for i, buf in enumerate(rewritten.buffers):
-        gathers = [u for u in shards[i].users if u.op == "call_function" and u.target is gather_bucket]
+        gathers = _gathers_of(shards[i])
         if not buf.shard.requires_grad or not gathers or (only is not None and i not in only):
             continue
-        trainable[i] = GatherConfig(**gathers[0].kwargs)
-        with graph.inserting_after(after):
-            pending = graph.placeholder(f"bucket{i}_pending")
-        pending._dynamo_source = None
-        pending.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
-        after = pending
-        for node in gathers:
-            node.kwargs = {**node.kwargs, "pending": pending}
-    graph.lint()
+        trainable[i] = GatherConfig(**_config_kwargs(gathers[0]))
+        after = _add_bucket_input(gm.graph, after, gathers, f"bucket{i}_pending", "pending")
+    gm.graph.lint()
     gm.recompile()
     return gm, trainable
+
+
+def prefetching_variant(gm: fx.GraphModule, leading: int, bucket: int) -> fx.GraphModule:
+    """A copy of ``gm`` (a rewritten graph or one of its variants) that takes bucket ``bucket``'s
+    gathered buffer as an input instead of gathering it ([Note: the next step's first gather starts at
+    the optimizer step]): one ``bucketN_gathered`` placeholder after the first ``leading`` inputs (the
+    shards and any ``pending`` leaves), passed to that bucket's ``gather_bucket`` as ``gathered=``."""
+    gm = copy_dynamo_graph(gm)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    _add_bucket_input(gm.graph, placeholders[leading - 1], _gathers_of(placeholders[bucket]),
+                      f"bucket{bucket}_gathered", "gathered")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _gathers_of(shard: fx.Node) -> list[fx.Node]:
+    return [u for u in shard.users if u.op == "call_function" and u.target is gather_bucket]
+
+
+def _config_kwargs(gather: fx.Node) -> dict:
+    return {k: v for k, v in gather.kwargs.items() if k in GatherConfig._fields}
+
+
+def _add_bucket_input(graph: fx.Graph, after: fx.Node, gathers: list[fx.Node], name: str, keyword: str) -> fx.Node:
+    """A new placeholder ``name`` right after ``after``, passed to every one of ``gathers`` as ``keyword=``."""
+    with graph.inserting_after(after):
+        node = graph.placeholder(name)
+    node._dynamo_source = None
+    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    for gather in gathers:
+        gather.kwargs = {**gather.kwargs, keyword: node}
+    return node

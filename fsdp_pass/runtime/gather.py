@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Fp8Gather", "GatherConfig", "gather_bucket", "reduce_gradient"]
+__all__ = ["Fp8Gather", "GatherConfig", "finish_all_gather", "gather_bucket", "reduce_gradient", "start_all_gather"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -141,50 +141,57 @@ def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torc
 
 
 def _all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-    if config.fp8 is not None:
-        return _fp8_all_gather(shard, config)
-    x = shard.to(config.param_dtype)
-    if config.shard_world == 1:
+    if config.shard_world == 1 and config.fp8 is None:
+        x = shard.to(config.param_dtype)
         return x.clone() if x is shard else x
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
+    return finish_all_gather(start_all_gather(shard, config), shard.numel(), config)
 
 
-def _fp8_all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-    """[Note: FP8 all-gather]: quantize own panels, one all-gather of codes + scales, dequantize."""
+def start_all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
+    """Issue a bucket's all-gather without waiting: the cast to ``param_dtype`` (or, [Note: FP8
+    all-gather], the quantize-and-pack of this rank's panels), then the collective. Returns what
+    :func:`finish_all_gather` turns into the gathered buffer."""
+    if config.fp8 is None:
+        x = shard.to(config.param_dtype)
+    else:
+        fp8 = config.fp8
+        local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
+        x = fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, local)
+    if config.shard_world == 1:
+        return x
+    return _c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group)
+
+
+def finish_all_gather(started: torch.Tensor, shard_size: int, config: GatherConfig) -> torch.Tensor:
+    """Wait for :func:`start_all_gather`'s collective; the bucket's gathered buffer (``m·S`` in
+    ``param_dtype``; FP8 pieces dequantized)."""
+    gathered = started if config.shard_world == 1 else _c10d.wait_tensor(started)
+    if config.fp8 is None:
+        return gathered
     fp8 = config.fp8
-    local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
-    packed = fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, local)
-    if config.shard_world > 1:
-        packed = _c10d.wait_tensor(_c10d.all_gather_into_tensor(packed, config.shard_world, config.shard_group))
-    return fp8_unpack(packed, config.shard_world, shard.numel(), fp8.tile, fp8.scale_slots,
+    return fp8_unpack(gathered, config.shard_world, shard_size, fp8.tile, fp8.scale_slots,
                       [v for piece in fp8.pieces for v in piece], config.param_dtype)
 
 
 class _GatherBucket(torch.autograd.Function):
-    """AllGather the bucket shard (forward); ReduceScatter (+ AllReduce for HSDP) its gradient (backward)."""
+    """AllGather the bucket shard, or take ``gathered`` (the same all-gather, issued before the graph
+    ran: [Note: the next step's first gather starts at the optimizer step]) in forward. Backward:
+    ReduceScatter (+ AllReduce for HSDP) the gradient into the shard, or with ``pending`` hand it
+    whole, unreduced, to that leaf ([Note: gradient accumulation without sync])."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-        ctx.config, ctx.master_dtype = config, shard.dtype
+    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor | None, gathered: torch.Tensor | None,
+                config: GatherConfig) -> torch.Tensor:
+        ctx.config, ctx.master_dtype, ctx.accumulates = config, shard.dtype, pending is not None
+        if gathered is not None:
+            return gathered.view(gathered.shape)
         return _all_gather(shard, config)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_gradient(grad, ctx.config, ctx.master_dtype), None
-
-
-class _GatherBucketAccumulate(torch.autograd.Function):
-    """AllGather the bucket shard (forward); hand the whole gradient, unreduced, to ``pending``
-    (backward). See [Note: gradient accumulation without sync]."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-        ctx.config = config
-        return _all_gather(shard, config)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, grad.to(ctx.config.reduce_dtype), None
+        if ctx.accumulates:
+            return None, grad.to(ctx.config.reduce_dtype), None, None
+        return reduce_gradient(grad, ctx.config, ctx.master_dtype), None, None, None
 
 
 def gather_bucket(
@@ -199,6 +206,7 @@ def gather_bucket(
     grad_divisor: float,
     fp8: Fp8Gather | None = None,
     pending: torch.Tensor | None = None,
+    gathered: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Graph-callable entry point (a plain function, so FX code generation can name it).
 
@@ -206,10 +214,10 @@ def gather_bucket(
     reads by itself (``gather_bucket(bucket0_shard, param_dtype=torch.float32, ..., shard_world=2, ...)``).
     With ``pending`` (the graph variant that accumulates, [Note: gradient accumulation without sync])
     the backward hands the whole gradient to ``pending`` instead of reduce-scattering it.
+    With ``gathered`` (the graph variant that takes the all-gather issued after the optimizer step,
+    [Note: the next step's first gather starts at the optimizer step]) the forward gathers nothing.
     With ``fp8`` the forward moves FP8 codes and scales instead ([Note: FP8 all-gather]).
     """
     config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
                           grad_divisor, fp8)
-    if pending is not None:
-        return _GatherBucketAccumulate.apply(shard, pending, config)
-    return _GatherBucket.apply(shard, config)
+    return _GatherBucket.apply(shard, pending, gathered, config)
