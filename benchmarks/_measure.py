@@ -95,6 +95,7 @@ def live_tensor_bytes() -> int:
 
 STEP_SCOPE = "step_time::analysed_step"
 PHASES = ("step_time::forward", "step_time::backward", "step_time::optimizer")
+PREFETCH_WAIT = "fsdp_pass::prefetched_gather_wait"  # fsdp_pass.runtime.step_prefetch.WAIT_SCOPE
 
 
 def step_window(events) -> tuple[float, float]:
@@ -332,7 +333,7 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
     machinery_bytes = machinery_us = comm_internal_bytes = 0.0
     machinery_ops: dict[str, int] = {}
     transfers: list[Transfer] = []
-    calls, compute_iv, phase_iv = [], [], []
+    calls, compute_iv, phase_iv, prefetch_waits = [], [], [], []
     phase_us = {p.split("::")[1]: 0.0 for p in PHASES}
     for e in events:
         if e.name == "[memory]":
@@ -353,6 +354,9 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
             continue
         if e.name in _ISSUED or e.name == _WAIT:
             calls.append(_call(e))
+            continue
+        if e.name == PREFETCH_WAIT:
+            prefetch_waits.append((start, end))
             continue
         anc = list(_ancestors(e))
         in_comm = any(COMM.match(a.name) for a in anc)
@@ -383,8 +387,19 @@ def analyze_profile(events, main_thread: int, window: tuple[float, float]) -> di
         "comm_hidden_ms": hidden_us / 1e3,
         "compute_ms": _length(compute) / 1e3,
         "phase_ms": {k: v / 1e3 for k, v in phase_us.items()},
-        "collectives": per_collective(calls, transfers, compute, phase_iv, window[0]),
+        "collectives": _prefetched_rows(prefetch_waits, phase_iv, window[0])
+        + per_collective(calls, transfers, compute, phase_iv, window[0]),
     }
+
+
+def _prefetched_rows(waits: list[tuple[float, float]], phases, t0: float) -> list[dict]:
+    """A row for each all-gather the previous step issued for this one (``prefetch_next_step``): only
+    its wait is in this step (the agreement and the wait for the transfer), and all of it is exposed."""
+    return [{"name": "AG (issued at the last step)", "kind": "AG",
+             "phase": next((ph for ph, s, e in phases if s <= start < e), None), "bytes": None,
+             "issue_ms": (start - t0) / 1e3, "call_ms": 0.0, "transfer_ms": None, "hidden_ms": 0.0,
+             "exposed_ms": (end - start) / 1e3, "window_ms": None, "wait_ms": (end - start) / 1e3}
+            for start, end in waits]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,6 +47,12 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp_pass_inductor_overlap_reduce", "fsdp_pass inductor, overlap on, last reduce-scatter into the step",
            inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
                                                          "overlap_last_reduce": True}),
+    System("fsdp_pass_inductor_prefetch_step", "fsdp_pass inductor, overlap on, first gather at the step",
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
+                                                         "prefetch_next_step": True}),
+    System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, overlap on, both across the step",
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
+                                                         "overlap_last_reduce": True, "prefetch_next_step": True}),
 )}
 
 

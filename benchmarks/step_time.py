@@ -316,7 +316,7 @@ def merge_repeats(rows: list[dict]) -> dict:
 
 
 def _mib(b) -> str:
-    return f"{b / 2**20:.1f}"
+    return "-" if b is None else f"{b / 2**20:.1f}"
 
 
 def table(rows: list[dict]) -> str:

@@ -145,17 +145,15 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         main_leaves = fakes([pending_leaf(rewritten.buffers[deferred], deferred_config)])
     compiled = compile_scheduled(main_gm, shard_fakes + main_leaves + rest, opts, record, rewritten.buffers)
     prefetched = None
-    first = gathered_first[0] if len(gathered_first) > 1 else None
-    if opts.prefetch_next_step and first is not None and rewritten.configs[first].shard_world > 1:
-        # [Note: the next step's first gather starts at the optimizer step]
-        first_config = rewritten.configs[first]
+    taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
+    if taken:  # [Note: the next step's first gather starts at the optimizer step]
         leading = len(rewritten.buffers) + len(main_leaves)
-        gathered_fake = fake_mode.from_tensor(torch.empty(
-            rewritten.buffers[first].shard.numel() * first_config.shard_world, dtype=first_config.param_dtype,
-            device=rewritten.buffers[first].shard.device), static_shapes=True)
-        prefetched = _LazyVariant(prefetching_variant(main_gm, leading, first), opts,
+        gathered_fakes = fakes(torch.empty(rewritten.buffers[i].shard.numel() * rewritten.configs[i].shard_world,
+                                           dtype=rewritten.configs[i].param_dtype,
+                                           device=rewritten.buffers[i].shard.device) for i in taken)
+        prefetched = _LazyVariant(prefetching_variant(main_gm, leading, taken), opts,
                                   _Suffixed(record, " (prefetched)"), fake_mode, rewritten.buffers,
-                                  shard_fakes + main_leaves + [gathered_fake] + rest)
+                                  shard_fakes + main_leaves + gathered_fakes + rest)
         step_prefetch.enable()
     _remember(record)
 
@@ -176,16 +174,19 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         rest_args = [a for i, a in enumerate(args) if i not in dropped]
         trainable = [(buffers[i], config) for i, config in accumulating_configs.items()]
         if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
+            if prefetched is not None:  # this call takes nothing prefetched, nor will its next one
+                step_prefetch.note_first([])
             if step_prefetch.in_flight():
                 step_prefetch.discard(buffers)
             pending = [b.pending_input(config) for b, config in trainable]
             return accumulating.compiled()(*shards, *pending, *rest_args)
         leaves = [] if deferred is None else [buffers[deferred].deferred_input(deferred_config)]
         if prefetched is not None:
-            step_prefetch.note_first(buffers[first], first_config)
-            gathered = step_prefetch.take(buffers[first], first_config)
+            targets = [step_prefetch.Target(buffers[i], rewritten.configs[i]) for i in taken]
+            step_prefetch.note_first(targets)
+            gathered = step_prefetch.take(targets)
             if gathered is not None:
-                return prefetched.compiled()(*shards, *leaves, gathered, *rest_args)
+                return prefetched.compiled()(*shards, *leaves, *gathered, *rest_args)
         if step_prefetch.in_flight():
             step_prefetch.discard(buffers)
         return compiled(*shards, *leaves, *rest_args)
@@ -201,6 +202,21 @@ def _gathered_buckets(rewritten: Rewritten) -> list[int]:
     gathered = [position[node.args[0]] for node in graph.find_nodes(op="call_function", target=gather_bucket)
                 if node.args and node.args[0] in position]
     return list(dict.fromkeys(gathered))
+
+
+def _prefetched_buckets(rewritten: Rewritten, gathered: list[int], prefetch: int) -> list[int]:
+    """The buckets whose gathers the optimizer step issues for the graph's next call ([Note: the next
+    step's first gather starts at the optimizer step]): those in flight before its first compute
+    (``prefetch`` + 1), at most all but the last, and only while they share the first one's shard
+    group (one agreement covers them); none for a graph of one bucket or of one rank."""
+    first = gathered[:min(prefetch + 1, len(gathered) - 1)]
+    taken = []
+    for i in first:
+        config = rewritten.configs[i]
+        if config.shard_world == 1 or config.shard_group != rewritten.configs[first[0]].shard_group:
+            break
+        taken.append(i)
+    return taken
 
 
 def _deferred_bucket(rewritten: Rewritten, gathered: list[int]) -> int | None:

@@ -149,15 +149,17 @@ def accumulating_variant(rewritten: Rewritten, only: Collection[int] | None = No
     return gm, trainable
 
 
-def prefetching_variant(gm: fx.GraphModule, leading: int, bucket: int) -> fx.GraphModule:
-    """A copy of ``gm`` (a rewritten graph or one of its variants) that takes bucket ``bucket``'s
-    gathered buffer as an input instead of gathering it ([Note: the next step's first gather starts at
-    the optimizer step]): one ``bucketN_gathered`` placeholder after the first ``leading`` inputs (the
-    shards and any ``pending`` leaves), passed to that bucket's ``gather_bucket`` as ``gathered=``."""
+def prefetching_variant(gm: fx.GraphModule, leading: int, buckets: Sequence[int]) -> fx.GraphModule:
+    """A copy of ``gm`` (a rewritten graph or one of its variants) that takes the gathered buffers of
+    ``buckets`` (positions among its shard inputs) as inputs instead of gathering them ([Note: the next
+    step's first gather starts at the optimizer step]): one ``bucketN_gathered`` placeholder each, in
+    that order, after the first ``leading`` inputs (the shards and any ``pending`` leaves), passed to
+    that bucket's ``gather_bucket`` as ``gathered=``."""
     gm = copy_dynamo_graph(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    _add_bucket_input(gm.graph, placeholders[leading - 1], _gathers_of(placeholders[bucket]),
-                      f"bucket{bucket}_gathered", "gathered")
+    after = placeholders[leading - 1]
+    for i in buckets:
+        after = _add_bucket_input(gm.graph, after, _gathers_of(placeholders[i]), f"bucket{i}_gathered", "gathered")
     gm.graph.lint()
     gm.recompile()
     return gm

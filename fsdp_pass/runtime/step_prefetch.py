@@ -1,34 +1,37 @@
-"""The next step's first all-gather, issued when the optimizer step ends.
+"""The next step's first all-gathers, issued when the optimizer step ends.
 
 [Note: the next step's first gather starts at the optimizer step]
-A compiled forward issues its first bucket's all-gather (a whole model's embedding) before any
-compute, and nothing in the graph hides it. With ``prefetch_next_step`` on, the optimizer hides it:
+A compiled forward issues its first buckets' all-gathers (a whole model's embedding, then the first
+layer: ``prefetch`` + 1 of them are in flight before the first one is waited on) before any compute,
+and nothing in the graph hides them. With ``prefetch_next_step`` on, the optimizer step hides them:
 
-* every compiled graph of several buckets with the option names the bucket it gathers first and
-  that gather's arguments when it runs (:func:`note_first`);
-* a global optimizer step post-hook issues that all-gather, without a wait, when an optimizer that
-  holds one of the bucket's parameters finishes its step (so after the last write to the shard that
-  step makes), for the first bucket named since that optimizer's last step; it records the shard's
-  version counter. A second optimizer holding the same bucket issues it again (the first one's
-  copy may be stale);
-* the next compiled call of a graph that gathers the bucket first takes it (:func:`take`): it runs
-  the graph variant whose ``gather_bucket`` for that bucket takes the gathered buffer as an input
-  (passes/rewrite.py :func:`prefetching_variant`) instead of gathering it again. The values are the
-  graph's own: the same cast (or FP8 pack) of the same shard, the same collective.
+* every compiled graph with the option names, when it runs, the buckets it gathers before compute
+  and those gathers' arguments (:func:`note_first`); the first graph to run after a step is the
+  target of the next one;
+* a global optimizer step post-hook issues, without a wait, the all-gathers of the target's buckets
+  that the optimizer holds a parameter of (so after the last write to those shards that this
+  optimizer makes), and records each shard's version counter. A second optimizer holding one of
+  them issues that one again (the first one's copy may be stale): Muon for the matrices and AdamW
+  for the rest share a layer's bucket;
+* the next call of that graph takes them (:func:`take`): it runs the graph variant whose
+  ``gather_bucket`` for those buckets takes the gathered buffers as inputs (passes/rewrite.py
+  :func:`prefetching_variant`) instead of gathering them again. The values are the graph's own: the
+  same cast (or FP8 pack) of the same shard, the same collective.
 
-Stale is never read. Any write to the shard after the gather was issued (a user's in-place write to
-a parameter, ``load_state_dict``, ``fsdp_pass.unshard(writeback=True)``: every write to a piece bumps
+Stale is never read. Any write to a shard after its gather was issued (a user's in-place write to a
+parameter, ``load_state_dict``, ``fsdp_pass.unshard(writeback=True)``: every write to a piece bumps
 the shard's version, runtime/ragged_dispatch.py ``count_writes``) makes the local copy stale. The
 decision must be the same on every rank: a rank that gathers again while another does not would
 pair the collectives wrongly, and a write on one rank makes every rank's copy of that rank's piece
-stale. So :func:`take` first agrees on it: one all-reduce of one integer over the bucket's shard
-group (about 0.3 ms on gloo, against the several ms of the gather it saves). If any rank's shard
-changed, every rank drops the prefetched buffer and runs the graph that gathers.
+stale. So :func:`take` first agrees on it: one all-reduce of one integer over the buckets' shard
+group (about 0.3 ms on gloo, against the several ms of the gathers it saves). If any rank's shard
+changed, every rank drops the prefetched buffers and runs the graph that gathers.
 
-A graph that gathers the bucket but does not take it (the variant that accumulates without sync, a
-graph that gathers it later than first) drops it (a wait, no collective: the collective was issued on
-every rank). The buffer (``m·S`` elements in ``param_dtype``) is held from the end of the step to the
-next forward, where it would be gathered anyway.
+A graph that gathers one of the buckets but does not take it (the variant that accumulates without
+sync, a graph that gathers it later) drops it (a wait, no collective: the collective was issued on
+every rank). The accumulating variant names no buckets: after a step whose forwards accumulated
+(``no_sync``), whose next forward will accumulate too, nothing is issued. The buffers (``m·S`` elements each, in ``param_dtype``) are held from the end of the
+step to the next forward, which starts by gathering them anyway.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from typing import NamedTuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import record_function
 
 from .gather import GatherConfig, finish_all_gather, start_all_gather
 
-__all__ = ["discard", "enable", "in_flight", "note_first", "take"]
+__all__ = ["Target", "discard", "enable", "in_flight", "note_first", "take"]
 
 _c10d = torch.ops._c10d_functional
+WAIT_SCOPE = "fsdp_pass::prefetched_gather_wait"  # profiler scope of take's agreement and wait
 
 
 class _Prefetch(NamedTuple):
@@ -53,12 +58,15 @@ class _Prefetch(NamedTuple):
     started: torch.Tensor  # start_all_gather's output, not waited on yet
 
 
-class _Target(NamedTuple):
-    buffer: weakref.ref  # a DBuffer some graph gathers first
+class Target(NamedTuple):
+    """One bucket a graph gathers before its compute, with that gather's arguments in the graph."""
+
+    buffer: object  # the DBuffer
     config: GatherConfig
 
 
-_named: dict[int, _Target] = {}  # id(DBuffer) → target, in the order graphs named them since they were issued
+_target: list[tuple[weakref.ref, GatherConfig]] = []  # the first graph's buckets since the last step
+_named_since_step = False  # whether a graph named the target since the last optimizer step
 _in_flight: dict[int, _Prefetch] = {}  # id(DBuffer) → its gather in flight
 _hook = None  # the optimizer post-hook's handle, registered by the first graph with the option
 
@@ -74,38 +82,26 @@ def in_flight() -> bool:
     return bool(_in_flight)
 
 
-def note_first(buf, config: GatherConfig) -> None:
-    """A graph with the option runs, gathering ``buf`` first with ``config``."""
-    named = _named.get(id(buf))
-    if named is None or named.buffer() is not buf:
-        _named[id(buf)] = _Target(weakref.ref(buf), config)
-
-
-def _held_by(optimizer: torch.optim.Optimizer) -> list[int]:
-    """The named targets ``optimizer`` holds a parameter of, in the order they were named."""
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    held = []
-    for key, target in list(_named.items()):
-        buf = target.buffer()
-        if buf is None:
-            del _named[key]
-        elif any(id(p) in ids for p in buf.params.values()):
-            held.append(key)
-    return held
+def note_first(targets: list[Target]) -> None:
+    """A graph with the option runs; ``targets`` are the buckets it gathers before compute."""
+    global _target, _named_since_step
+    if not _named_since_step:
+        _target = [(weakref.ref(t.buffer), t.config) for t in targets]
+        _named_since_step = True
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    held = _held_by(optimizer)
-    if not held:
-        return
-    target = _named[held[0]]
-    for key in held:
-        del _named[key]
-    buf = target.buffer()
-    _discard(id(buf))
-    with torch.no_grad():
-        started = start_all_gather(buf.shard.detach(), target.config)
-    _in_flight[id(buf)] = _Prefetch(target.buffer, target.config, buf.shard._version, started)
+    global _named_since_step
+    _named_since_step = False
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for ref, config in _target:
+        buf = ref()
+        if buf is None or not any(id(p) in held for p in buf.params.values()):
+            continue
+        _discard(id(buf))
+        with torch.no_grad():
+            started = start_all_gather(buf.shard.detach(), config)
+        _in_flight[id(buf)] = _Prefetch(ref, config, buf.shard._version, started)
 
 
 def _discard(key: int) -> None:
@@ -122,19 +118,22 @@ def discard(buffers) -> None:
             _discard(id(buf))
 
 
-def take(buf, config: GatherConfig) -> torch.Tensor | None:
-    """The gathered buffer of ``buf`` if one is in flight for it, with ``config``, and no rank's shard
-    changed since; else None (and what was in flight for it is dropped). Every rank of the bucket's
-    shard group must call it at the same point when one is in flight (it agrees with them: one small
-    all-reduce)."""
-    entry = _in_flight.get(id(buf))
-    if entry is None:
+def take(targets: list[Target]) -> list[torch.Tensor] | None:
+    """The gathered buffers of ``targets`` if a gather is in flight for each, with its config, and no
+    rank's shard changed since; else None (and what was in flight for them is dropped). Every rank of
+    their shard group must call it at the same point (it agrees with them: one small all-reduce)."""
+    entries = [_in_flight.get(id(t.buffer)) for t in targets]
+    if not any(entries):
         return None
-    if entry.buffer() is not buf or entry.config != config:
-        _discard(id(buf))
+    if not all(e is not None and e.buffer() is t.buffer and e.config == t.config for e, t in zip(entries, targets)):
+        discard([t.buffer for t in targets])
         return None
-    del _in_flight[id(buf)]
-    stale = torch.tensor([int(buf.shard._version != entry.version)], dtype=torch.int32, device=buf.shard.device)
-    stale = _c10d.wait_tensor(_c10d.all_reduce(stale, "max", config.shard_group))
-    gathered = finish_all_gather(entry.started, buf.shard.numel(), config)
-    return None if stale.item() else gathered
+    for t in targets:
+        del _in_flight[id(t.buffer)]
+    with record_function(WAIT_SCOPE):
+        changed = any(t.buffer.shard._version != e.version for e, t in zip(entries, targets))
+        shard = targets[0].buffer.shard
+        stale = torch.tensor([int(changed)], dtype=torch.int32, device=shard.device)
+        stale = _c10d.wait_tensor(_c10d.all_reduce(stale, "max", targets[0].config.shard_group))
+        gathered = [finish_all_gather(e.started, t.buffer.shard.numel(), t.config) for e, t in zip(entries, targets)]
+        return None if stale.item() else gathered
