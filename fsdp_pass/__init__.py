@@ -9,6 +9,7 @@ from . import backend as _backend  # registers the "vescale" backend
 from .blocks import set_block
 from .explain import explain
 from .fully_shard import fully_shard
+from .optimizer_step import step_reduced_first
 from .gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor, set_requires_gradient_sync
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
@@ -34,6 +35,7 @@ __all__ = [
     "set_gradient_divide_factor",
     "set_requires_gradient_sync",
     "set_state_dict_type",
+    "step_reduced_first",
     "unshard",
 ]
 __version__ = "0.1.0"

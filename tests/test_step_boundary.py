@@ -14,13 +14,14 @@ piece only, ``load_state_dict``, ``fsdp_pass.unshard(writeback=True)``.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import fsdp_pass
 from fsdp_pass.backend import records
-from fsdp_pass.optim import Muon
+from fsdp_pass.optim import AdamW8bit, Muon, Shampoo
 from fsdp_pass.runtime import deferred_reduce, step_prefetch
 from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -97,6 +98,14 @@ def _unread_then_cleared(model, opt) -> None:
     opt.zero_grad()
 
 
+def _shampoo(params):
+    return Shampoo(params, lr=1e-2)
+
+
+def _adamw8bit(params):
+    return AdamW8bit(params, lr=1e-2, min_8bit_size=256, block_size=64)  # 8-bit moments on this tiny model
+
+
 class _MuonAndAdamW:
     """Muon for the layers' matrices, AdamW for the rest: two optimizers share each layer's bucket."""
 
@@ -113,6 +122,26 @@ class _MuonAndAdamW:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad()
+
+
+def _reduced_first(first, passes: list) -> Callable:
+    """A step: ``fsdp_pass.step_reduced_first`` on model ``first``'s optimizers (recording, per pass,
+    whether a reduce-scatter was still in flight when it ended), ``optimizer.step()`` on the other's."""
+
+    def record(optimizer, args, kwargs):
+        passes.append(deferred_reduce.any_in_flight())
+
+    def step(model, opt) -> None:
+        for o in getattr(opt, "optimizers", [opt]):
+            if model is first:
+                handle = o.register_step_post_hook(record)
+                fsdp_pass.step_reduced_first(o)
+                handle.remove()
+            else:
+                o.step()
+        opt.zero_grad()
+
+    return step
 
 
 def _write_everywhere(model) -> None:
@@ -171,6 +200,15 @@ def _cases(rank: int, world: int) -> None:
     _train("no_sync", rank, models, adamw, {"step": _step, "prefetches": False}, steps=1, micro=3, no_sync=True)
     _train("Muon and AdamW", rank, models, _MuonAndAdamW, {"step": _step})
     assert taken and all(taken), f"forwards after a step without writes took the prefetched gather: {taken}"
+    for name, make_opt in (("AdamW foreach", adamw), ("AdamW fused", lambda ps: torch.optim.AdamW(ps, fused=True)),
+                           ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+                           ("Muon and AdamW", _MuonAndAdamW), ("Shampoo", _shampoo), ("AdamW8bit", _adamw8bit)):
+        passes: list[bool] = []
+        _train(f"{name}, step_reduced_first", rank, models, make_opt, {"step": _reduced_first(models[0], passes)},
+               steps=1)
+        # One more pass than optimizers: every pass but the embedding's, the last, ran with its gradient in flight.
+        optimizers = 2 if make_opt is _MuonAndAdamW else 1
+        assert passes == [True] * optimizers + [False], f"{name}: passes (in flight at their end) {passes}"
     for write in (_write_everywhere, _write_one_piece, _load_state_dict, _unshard_writeback):
         taken.clear()
         _train(write.__name__, rank, models, adamw, {"step": _step, "write": write})
@@ -181,6 +219,11 @@ def _cases(rank: int, world: int) -> None:
                for k in ("forward", "forward (prefetched)")]
     # The embedding's and the first layer's (prefetch=1: two gathers are in flight before compute).
     assert gathers[1] == gathers[0] - 2, f"all-gathers in forward / in the prefetched forward: {gathers}"
+    # Block-wise optimizers read a gradient's local piece directly (optim/blockwise.py flat_piece). A pair
+    # planned for Shampoo (made before its first forward): each panel on one rank, so no gather waits for
+    # the reduce-scatter first. Last: Dynamo may serve the models above with these models' graphs.
+    planned = _pair()
+    _train("Shampoo, planned for it", rank, planned, _shampoo, {"step": _step}, steps=2)
     # The option changed the graph: the first bucket's gradient leaves it unreduced.
     assert buffers_of(models[0])[0]._deferred is not None and buffers_of(models[1])[0]._deferred is None
 

@@ -49,9 +49,11 @@ BlockCompute = Callable[[Tensor, Tensor, "RaggedSpec | None"], Tensor]
 
 
 def flat_piece(t: Tensor) -> Tensor:
-    """This rank's flat piece of ``t``: the local piece of a RaggedShardTensor, or ``t`` flattened (a view)."""
+    """This rank's flat piece of ``t``: the local piece of a RaggedShardTensor (``to_local``: a gradient
+    still being reduced is waited for, [Note: the last reduce-scatter overlaps the optimizer step]), or
+    ``t`` flattened (a view)."""
     t = ragged_part(t)
-    return t._local if isinstance(t, RaggedShardTensor) else t.detach().view(-1)
+    return t.to_local() if isinstance(t, RaggedShardTensor) else t.detach().view(-1)
 
 
 def layout_of(t: Tensor) -> RaggedSpec | None:

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from .gather import GatherConfig
 
-__all__ = ["any_in_flight", "settle_all", "settle_read", "settle_tensor", "start"]
+__all__ = ["any_in_flight", "is_in_flight", "settle_all", "settle_read", "settle_tensor", "start"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -91,6 +91,14 @@ def settle_read(args: Any) -> None:
                 _settle(address)
                 if not _in_flight:
                     return
+
+
+def is_in_flight(grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` (a parameter's ``.grad``) is a view of a gradient still being reduced."""
+    from .ragged_tensor import RaggedShardTensor, ragged_part
+
+    piece = None if grad is None or not _in_flight else ragged_part(grad)
+    return isinstance(piece, RaggedShardTensor) and _address(piece._local) in _in_flight
 
 
 def settle_tensor(t: torch.Tensor) -> None:

@@ -10,9 +10,11 @@ and nothing in the graph hides them. With ``prefetch_next_step`` on, the optimiz
   target of the next one;
 * a global optimizer step post-hook issues, without a wait, the all-gathers of the target's buckets
   that the optimizer holds a parameter of (so after the last write to those shards that this
-  optimizer makes), and records each shard's version counter. A second optimizer holding one of
-  them issues that one again (the first one's copy may be stale): Muon for the matrices and AdamW
-  for the rest share a layer's bucket;
+  optimizer makes), and records each shard's version counter (a frozen bucket, which no optimizer
+  holds, is issued at the first optimizer's step). A second optimizer holding one of them issues
+  that one again (the first one's copy may be stale): Muon for the matrices and AdamW for the rest
+  share a layer's bucket. Every rank steps the same optimizers, as in any data-parallel loop: the
+  hook issues collectives;
 * the next call of that graph takes them (:func:`take`): it runs the graph variant whose
   ``gather_bucket`` for those buckets takes the gathered buffers as inputs (passes/rewrite.py
   :func:`prefetching_variant`) instead of gathering them again. The values are the graph's own: the
@@ -30,8 +32,9 @@ changed, every rank drops the prefetched buffers and runs the graph that gathers
 A graph that gathers one of the buckets but does not take it (the variant that accumulates without
 sync, a graph that gathers it later) drops it (a wait, no collective: the collective was issued on
 every rank). The accumulating variant names no buckets: after a step whose forwards accumulated
-(``no_sync``), whose next forward will accumulate too, nothing is issued. The buffers (``m·S`` elements each, in ``param_dtype``) are held from the end of the
-step to the next forward, which starts by gathering them anyway.
+(``no_sync``), whose next forward will accumulate too, nothing is issued. The buffers (``m·S``
+elements each, in ``param_dtype``) are held from the end of the step to the next forward, which
+starts by gathering them anyway.
 """
 
 from __future__ import annotations
@@ -96,8 +99,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for ref, config in _target:
         buf = ref()
-        if buf is None or not any(id(p) in held for p in buf.params.values()):
+        if buf is None:
             continue
+        if buf.shard.requires_grad and not any(id(p) in held for p in buf.params.values()):
+            continue
+        if not buf.shard.requires_grad and id(buf) in _in_flight:
+            continue  # frozen: no step writes it, any optimizer's step issues it once
         _discard(id(buf))
         with torch.no_grad():
             started = start_all_gather(buf.shard.detach(), config)
