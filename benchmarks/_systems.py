@@ -25,6 +25,7 @@ class System:
     inductor: bool = False  # some of its compute runs Inductor-generated kernels
     compiled_fsdp: bool = False  # FSDP is inside compiled graphs: copies are counted on the graphs
     fsdp_pass: dict | None = None  # options for torch.compile(backend="vescale")
+    step_reduced_first: bool = False  # step with fsdp_pass.step_reduced_first(opt) instead of opt.step()
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -50,9 +51,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp_pass_inductor_prefetch_step", "fsdp_pass inductor, overlap on, first gather at the step",
            inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
                                                          "prefetch_next_step": True}),
-    System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, overlap on, both across the step",
-           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
-                                                         "overlap_last_reduce": True, "prefetch_next_step": True}),
+    System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, overlap on, both across the step, reduced first",
+           inductor=True, compiled_fsdp=True, step_reduced_first=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 1, "overlap_last_reduce": True, "prefetch_next_step": True}),
 )}
 
 

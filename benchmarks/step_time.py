@@ -124,6 +124,12 @@ def _worker(rank: int, world: int, key: str, args: dict) -> dict:
     graphs: dict = {}
     model, notes = build_system(system, model, world, lambda name, gm: graphs.__setitem__(name, gm))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if system.step_reduced_first:
+        import fsdp_pass
+
+        optimizer_step = lambda: fsdp_pass.step_reduced_first(opt)  # noqa: E731
+    else:
+        optimizer_step = opt.step
     bs = args["batch"]
 
     losses = []
@@ -142,7 +148,7 @@ def _worker(rank: int, world: int, key: str, args: dict) -> dict:
             loss.backward()
         t2 = time.perf_counter()
         with record_function(M.PHASES[2]):
-            opt.step()
+            optimizer_step()
             opt.zero_grad(set_to_none=True)
         phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         losses.append(loss.item())

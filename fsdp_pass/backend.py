@@ -34,7 +34,7 @@ from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import Rewritten, accumulating_variant, copy_dynamo_graph, prefetching_variant
 from .runtime import deferred_reduce, step_prefetch, uninitialized
 from .runtime.dbuffer import DBuffer, pending_leaf
-from .runtime.gather import gather_bucket
+from .runtime.gather import gather_bucket, hand_over
 from .runtime.rebind import ShardBinding
 
 __all__ = ["CompiledGraph", "records", "vescale"]
@@ -147,13 +147,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     prefetched = None
     taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
     if taken:  # [Note: the next step's first gather starts at the optimizer step]
-        leading = len(rewritten.buffers) + len(main_leaves)
-        gathered_fakes = fakes(torch.empty(rewritten.buffers[i].shard.numel() * rewritten.configs[i].shard_world,
-                                           dtype=rewritten.configs[i].param_dtype,
-                                           device=rewritten.buffers[i].shard.device) for i in taken)
-        prefetched = _LazyVariant(prefetching_variant(main_gm, leading, taken), opts,
-                                  _Suffixed(record, " (prefetched)"), fake_mode, rewritten.buffers,
-                                  shard_fakes + main_leaves + gathered_fakes + rest)
+        prefetched = _LazyVariant(prefetching_variant(main_gm, taken), opts, _Suffixed(record, " (prefetched)"),
+                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest)
         step_prefetch.enable()
     _remember(record)
 
@@ -186,7 +181,10 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             step_prefetch.note_first(targets)
             gathered = step_prefetch.take(targets)
             if gathered is not None:
-                return prefetched.compiled()(*shards, *leaves, *gathered, *rest_args)
+                for i, buffer in zip(taken, gathered):
+                    hand_over(i, buffer)
+                del gathered  # the graph frees each buffer after its last use
+                return prefetched.compiled()(*shards, *leaves, *rest_args)
         if step_prefetch.in_flight():
             step_prefetch.discard(buffers)
         return compiled(*shards, *leaves, *rest_args)

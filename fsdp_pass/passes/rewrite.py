@@ -12,8 +12,8 @@ parameter placeholders are removed: the compiled function takes the shards inste
 :func:`accumulating_variant` makes the copy that gradient accumulation without sync runs
 ([Note: gradient accumulation without sync] in runtime/dbuffer.py): one more placeholder per
 trainable bucket, ``bucketN_pending``, passed to its ``gather_bucket`` as ``pending=``.
-:func:`prefetching_variant` makes the copy that takes one bucket already gathered, ``bucketN_gathered``
-([Note: the next step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
+:func:`prefetching_variant` makes the copy that takes some buckets already gathered, handed over to
+the call ([Note: the next step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
 """
 
 from __future__ import annotations
@@ -149,17 +149,16 @@ def accumulating_variant(rewritten: Rewritten, only: Collection[int] | None = No
     return gm, trainable
 
 
-def prefetching_variant(gm: fx.GraphModule, leading: int, buckets: Sequence[int]) -> fx.GraphModule:
-    """A copy of ``gm`` (a rewritten graph or one of its variants) that takes the gathered buffers of
-    ``buckets`` (positions among its shard inputs) as inputs instead of gathering them ([Note: the next
-    step's first gather starts at the optimizer step]): one ``bucketN_gathered`` placeholder each, in
-    that order, after the first ``leading`` inputs (the shards and any ``pending`` leaves), passed to
-    that bucket's ``gather_bucket`` as ``gathered=``."""
+def prefetching_variant(gm: fx.GraphModule, buckets: Sequence[int]) -> fx.GraphModule:
+    """A copy of ``gm`` (a rewritten graph or one of its variants) whose ``gather_bucket`` for each of
+    ``buckets`` (positions among its shard inputs) takes the buffer handed over for it instead of
+    gathering ([Note: the next step's first gather starts at the optimizer step]): ``gathered=`` the
+    bucket's position, the slot :func:`~fsdp_pass.runtime.gather.hand_over` fills."""
     gm = copy_dynamo_graph(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    after = placeholders[leading - 1]
     for i in buckets:
-        after = _add_bucket_input(gm.graph, after, _gathers_of(placeholders[i]), f"bucket{i}_gathered", "gathered")
+        for gather in _gathers_of(placeholders[i]):
+            gather.kwargs = {**gather.kwargs, "gathered": i}
     gm.graph.lint()
     gm.recompile()
     return gm

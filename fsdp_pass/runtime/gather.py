@@ -34,7 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Fp8Gather", "GatherConfig", "finish_all_gather", "gather_bucket", "reduce_gradient", "start_all_gather"]
+__all__ = ["Fp8Gather", "GatherConfig", "finish_all_gather", "gather_bucket", "hand_over", "reduce_gradient",
+           "start_all_gather"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -173,18 +174,44 @@ def finish_all_gather(started: torch.Tensor, shard_size: int, config: GatherConf
                       [v for piece in fp8.pieces for v in piece], config.param_dtype)
 
 
+_handed: dict[int, torch.Tensor] = {}  # slot → a gathered buffer handed to the next graph call
+
+
+def hand_over(slot: int, gathered: torch.Tensor) -> None:
+    """Give the next compiled call's ``gather_bucket(..., gathered=slot)`` its gathered buffer."""
+    _handed[slot] = gathered
+
+
+@torch.library.custom_op("fsdp_pass::take_gathered", mutates_args=())
+def take_gathered(shard: torch.Tensor, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer handed over for ``slot`` (``numel`` elements of ``dtype``), gathered before the graph
+    ran. An op inside the graph, not a graph input: the graph frees it after its last use, as it frees
+    an all-gather's output. ``shard`` orders it where the gather was."""
+    gathered = _handed.pop(slot, None)
+    if gathered is None or gathered.numel() != numel or gathered.dtype != dtype:
+        raise RuntimeError(f"no gathered buffer of {numel} {dtype} elements was handed over for bucket slot {slot}; "
+                           f"this graph variant runs only through the backend's call")
+    return gathered
+
+
+@take_gathered.register_fake
+def _(shard, slot, numel, dtype):
+    return shard.new_empty(numel, dtype=dtype)
+
+
 class _GatherBucket(torch.autograd.Function):
-    """AllGather the bucket shard, or take ``gathered`` (the same all-gather, issued before the graph
-    ran: [Note: the next step's first gather starts at the optimizer step]) in forward. Backward:
-    ReduceScatter (+ AllReduce for HSDP) the gradient into the shard, or with ``pending`` hand it
-    whole, unreduced, to that leaf ([Note: gradient accumulation without sync])."""
+    """AllGather the bucket shard, or take the buffer handed over for slot ``gathered`` (the same
+    all-gather, issued before the graph ran: [Note: the next step's first gather starts at the
+    optimizer step]) in forward. Backward: ReduceScatter (+ AllReduce for HSDP) the gradient into the
+    shard, or with ``pending`` hand it whole, unreduced, to that leaf ([Note: gradient accumulation
+    without sync])."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor | None, gathered: torch.Tensor | None,
+    def forward(ctx, shard: torch.Tensor, pending: torch.Tensor | None, gathered: int | None,
                 config: GatherConfig) -> torch.Tensor:
         ctx.config, ctx.master_dtype, ctx.accumulates = config, shard.dtype, pending is not None
         if gathered is not None:
-            return gathered.view(gathered.shape)
+            return take_gathered(shard, gathered, shard.numel() * config.shard_world, config.param_dtype)
         return _all_gather(shard, config)
 
     @staticmethod
@@ -206,7 +233,7 @@ def gather_bucket(
     grad_divisor: float,
     fp8: Fp8Gather | None = None,
     pending: torch.Tensor | None = None,
-    gathered: torch.Tensor | None = None,
+    gathered: int | None = None,
 ) -> torch.Tensor:
     """Graph-callable entry point (a plain function, so FX code generation can name it).
 
@@ -214,8 +241,9 @@ def gather_bucket(
     reads by itself (``gather_bucket(bucket0_shard, param_dtype=torch.float32, ..., shard_world=2, ...)``).
     With ``pending`` (the graph variant that accumulates, [Note: gradient accumulation without sync])
     the backward hands the whole gradient to ``pending`` instead of reduce-scattering it.
-    With ``gathered`` (the graph variant that takes the all-gather issued after the optimizer step,
-    [Note: the next step's first gather starts at the optimizer step]) the forward gathers nothing.
+    With ``gathered`` (a slot: the graph variant that takes the all-gather issued after the optimizer
+    step, [Note: the next step's first gather starts at the optimizer step]) the forward gathers
+    nothing and takes the buffer :func:`hand_over` left for that slot.
     With ``fp8`` the forward moves FP8 codes and scales instead ([Note: FP8 all-gather]).
     """
     config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
