@@ -148,7 +148,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
     if taken:  # [Note: the next step's first gather starts at the optimizer step]
         prefetched = _LazyVariant(prefetching_variant(main_gm, taken), opts, _Suffixed(record, " (prefetched)"),
-                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest)
+                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest,
+                                  {i: rewritten.configs[i] for i in taken})
         step_prefetch.enable()
     _remember(record)
 
@@ -243,8 +244,9 @@ class _LazyVariant:
     with the fakes Dynamo's own compile used, so it sees the same (possibly symbolic) shapes."""
 
     def __init__(self, gm: fx.GraphModule, opts: Options, sink: "_Suffixed", fake_mode, buffers: list[DBuffer],
-                 inputs: list):
+                 inputs: list, taken: dict | None = None):
         self.gm, self._opts, self._sink, self._fake_mode, self._buffers = gm, opts, sink, fake_mode, buffers
+        self._taken = taken  # slot → gather arguments of the buckets it takes gathered (compile_scheduled's ``taken``)
         self._inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
                         isinstance(x, torch._subclasses.FakeTensor) else x for x in inputs]
         self._compiled: Callable | None = None
@@ -252,7 +254,8 @@ class _LazyVariant:
     def compiled(self) -> Callable:
         if self._compiled is None:
             with torch._guards.tracing(torch._guards.TracingContext(self._fake_mode)):
-                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts, self._sink, self._buffers)
+                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts, self._sink, self._buffers,
+                                                   self._taken)
             self._inputs = []
         return self._compiled
 

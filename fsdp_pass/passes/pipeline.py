@@ -13,7 +13,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -23,11 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from ..options import Options
 from ..runtime.dbuffer import DBuffer
+from ..runtime.gather import GatherConfig
 from ..sharding.agreement import check_ranks_agree
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
 from .rewrite import Rewritten, copy_dynamo_graph, rewrite_parameters
-from .schedule import schedule_overlap, tag_reshard_after_forward
+from .schedule import gather_taken_again, schedule_overlap, tag_reshard_after_forward
 from .shard import Sharded, shard_sites
 
 __all__ = ["GraphSink", "PassResult", "compile_scheduled", "run_passes"]
@@ -72,19 +73,21 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options)
 
 
 def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: GraphSink,
-                      buffers: Sequence[DBuffer] = ()) -> Callable:
+                      buffers: Sequence[DBuffer] = (), taken: Mapping[int, GatherConfig] | None = None) -> Callable:
     """Passes 4-5 and code generation: aot_autograd with the reshard tags on the joint graph, the
     overlap schedule on the forward and backward graphs, gradients written into the bucket gradients
-    of ``buffers`` (the graph's buckets) in backward graphs, then Inductor or aot_eager (``opts.compiler``)."""
+    of ``buffers`` (the graph's buckets) in backward graphs, then Inductor or aot_eager (``opts.compiler``).
+    ``taken``: the buckets (slot → gather arguments) the graph takes already gathered in forward, which
+    backward gathers again ([Note: the next step's first gather starts at the optimizer step])."""
     joint_pass = functools.partial(tag_reshard_after_forward, keep_last=not opts.reshard_last_bucket) \
         if opts.reshard_after_forward else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     with patch:
         if opts.compiler == "aot_eager":
             backend = aot_autograd(
-                fw_compiler=_scheduled(opts, sink, buffers, "forward"),
-                bw_compiler=_scheduled(opts, sink, buffers, "backward"),
-                inference_compiler=_scheduled(opts, sink, buffers, "inference"),
+                fw_compiler=_scheduled(opts, sink, buffers, taken, "forward"),
+                bw_compiler=_scheduled(opts, sink, buffers, taken, "backward"),
+                inference_compiler=_scheduled(opts, sink, buffers, taken, "inference"),
             )
             return backend(gm, inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -92,18 +95,20 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
         # from pulling waits up to their collectives.
         patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
-        return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, buffers, compiler=compile_fx_inner),
+        return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, buffers, taken, compiler=compile_fx_inner),
                           config_patches=patches)
 
 
-def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], stage: str | None = None,
-               compiler: Callable | None = None) -> Callable:
+def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken: Mapping[int, GatherConfig] | None,
+               stage: str | None = None, compiler: Callable | None = None) -> Callable:
     """A graph compiler for aot_autograd: schedule the graph (and write a backward graph's gradients
     into its buckets), tell ``sink``, then run ``compiler`` (default: as is)."""
 
     def compile_stage(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
         name = stage or ("backward" if kwargs.get("is_backward") else
                          "inference" if kwargs.get("is_inference") else "forward")
+        if name == "backward" and taken:
+            gather_taken_again(gm, dict(taken))
         schedule_overlap(gm, opts.prefetch, opts.max_inflight_bytes)
         if name == "backward" and buffers:  # after the schedule, which reads data edges only
             write_gradients_into_buckets(gm, buffers, inductor=compiler is not None)

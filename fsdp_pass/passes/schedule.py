@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.gather import fp8_pack_shard, fp8_unpack
+from ..runtime.gather import GatherConfig, fp8_pack_shard, fp8_unpack, take_gathered
 
-__all__ = ["GATHER_CHAIN_OPS", "schedule_overlap", "tag_reshard_after_forward"]
+__all__ = ["GATHER_CHAIN_OPS", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -46,6 +46,7 @@ GATHER_CHAIN_OPS = {
 # What turns a shard into the all-gather's input: a cast, or the FP8 quantize-and-pack ([Note: FP8 all-gather]).
 _CASTS = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default, fp8_pack_shard._opoverload}
 _RECOMPUTE_GRAPH_ID = 1_000_003  # any id distinct from user activation-checkpoint regions
+_TAKE_GATHERED = take_gathered._opoverload  # a bucket gathered before the graph ran, taken in place of its gather
 
 
 def _is_getitem(node: fx.Node) -> bool:
@@ -64,14 +65,16 @@ def _is_getitem(node: fx.Node) -> bool:
 
 
 def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: bool = True) -> fx.GraphModule:
-    """Mark the forward all_gathers, the cast feeding each and its view chain MUST_RECOMPUTE; with
-    ``keep_last``, all but the last one of a graph of several ([Note: the last bucket stays gathered
-    into backward])."""
-    gathers = list(gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    """Mark the forward all_gathers (and the buffers taken in place of one, [Note: the next step's
+    first gather starts at the optimizer step]), the cast feeding each and its view chain
+    MUST_RECOMPUTE; with ``keep_last``, all but the last one of a graph of several ([Note: the last
+    bucket stays gathered into backward])."""
+    heads = {_c10d.all_gather_into_tensor.default, _TAKE_GATHERED}
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in heads]
     for node in gathers[:-1] if keep_last and len(gathers) > 1 else gathers:
         chain, stack = [node], [node]
         source = node.args[0]
-        if isinstance(source, fx.Node) and source.target in _CASTS:
+        if node.target is not _TAKE_GATHERED and isinstance(source, fx.Node) and source.target in _CASTS:
             chain.append(source)
         while stack:
             for user in stack.pop().users:
@@ -82,6 +85,49 @@ def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: 
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = _RECOMPUTE_GRAPH_ID
     return gm
+
+
+def gather_taken_again(gm: fx.GraphModule, configs: dict[int, GatherConfig]) -> fx.GraphModule:
+    """In a backward graph: replace each buffer taken in place of a gather (recomputed there, since
+    :func:`tag_reshard_after_forward` tags it like a gather) by the gather itself, the cast (or FP8
+    pack), all_gather, wait (and FP8 unpack) of its bucket's ``configs[slot]``. Backward gathers the
+    bucket again, as it would without the prefetch ([Note: the next step's first gather starts at the
+    optimizer step]), and the overlap schedule then sees an all_gather it can issue early."""
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="call_function", target=_TAKE_GATHERED)):
+        shard, slot = node.args[0], node.args[1]
+        config = configs[slot]
+        fake_mode = node.meta["val"].fake_mode
+        with graph.inserting_before(node):
+            if config.fp8 is not None:
+                fp8 = config.fp8
+                local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
+                source = _add(graph, fake_mode, fp8_pack_shard._opoverload, shard, fp8.tile, fp8.scale_slots, local)
+            elif shard.meta["val"].dtype != config.param_dtype:
+                source = _add(graph, fake_mode, torch.ops.prims.convert_element_type.default, shard, config.param_dtype)
+            else:
+                source = shard
+            gathered = _add(graph, fake_mode, _c10d.all_gather_into_tensor.default, source, config.shard_world,
+                            config.shard_group)
+            gathered = _add(graph, fake_mode, _c10d.wait_tensor.default, gathered)
+            if config.fp8 is not None:
+                gathered = _add(graph, fake_mode, fp8_unpack._opoverload, gathered, config.shard_world,
+                                shard.meta["val"].numel(), fp8.tile, fp8.scale_slots,
+                                [v for piece in fp8.pieces for v in piece], config.param_dtype)
+        node.replace_all_uses_with(gathered)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _add(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
+    """A call of ``target`` at the graph's insertion point, with its fake value in ``meta["val"]``."""
+    node = graph.call_function(target, args)
+    values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    with fake_mode:
+        node.meta["val"] = target(*values)
+    return node
 
 
 def _nbytes(node: fx.Node) -> int:

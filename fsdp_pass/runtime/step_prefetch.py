@@ -16,9 +16,12 @@ and nothing in the graph hides them. With ``prefetch_next_step`` on, the optimiz
   share a layer's bucket. Every rank steps the same optimizers, as in any data-parallel loop: the
   hook issues collectives;
 * the next call of that graph takes them (:func:`take`): it runs the graph variant whose
-  ``gather_bucket`` for those buckets takes the gathered buffers as inputs (passes/rewrite.py
-  :func:`prefetching_variant`) instead of gathering them again. The values are the graph's own: the
-  same cast (or FP8 pack) of the same shard, the same collective.
+  ``gather_bucket`` for those buckets takes the buffer handed over to it (``fsdp_pass::take_gathered``,
+  an op where the gather was, so the graph frees the buffer after its last use; passes/rewrite.py
+  :func:`prefetching_variant`) instead of gathering. The values are the graph's own: the same cast
+  (or FP8 pack) of the same shard, the same collective. Backward gathers those buckets again, as
+  without the option (passes/schedule.py :func:`gather_taken_again`), so forward and backward hold
+  what they hold without it.
 
 Stale is never read. Any write to a shard after its gather was issued (a user's in-place write to a
 parameter, ``load_state_dict``, ``fsdp_pass.unshard(writeback=True)``: every write to a piece bumps
