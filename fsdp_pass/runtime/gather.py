@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Fp8Gather", "GatherConfig", "finish_all_gather", "gather_bucket", "hand_over", "reduce_gradient",
-           "start_all_gather"]
+__all__ = ["Fp8Gather", "GatherConfig", "gather_bucket", "gather_input", "hand_over", "reduce_gradient",
+           "unpack_gathered"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -142,31 +142,27 @@ def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torc
 
 
 def _all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-    if config.shard_world == 1 and config.fp8 is None:
-        x = shard.to(config.param_dtype)
-        return x.clone() if x is shard else x
-    return finish_all_gather(start_all_gather(shard, config), shard.numel(), config)
-
-
-def start_all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
-    """Issue a bucket's all-gather without waiting: the cast to ``param_dtype`` (or, [Note: FP8
-    all-gather], the quantize-and-pack of this rank's panels), then the collective. Returns what
-    :func:`finish_all_gather` turns into the gathered buffer."""
-    if config.fp8 is None:
-        x = shard.to(config.param_dtype)
-    else:
-        fp8 = config.fp8
-        local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
-        x = fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, local)
+    x = gather_input(shard, config)
     if config.shard_world == 1:
-        return x
-    return _c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group)
+        gathered = x.clone() if x is shard else x
+    else:
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
+    return unpack_gathered(gathered, shard.numel(), config)
 
 
-def finish_all_gather(started: torch.Tensor, shard_size: int, config: GatherConfig) -> torch.Tensor:
-    """Wait for :func:`start_all_gather`'s collective; the bucket's gathered buffer (``m·S`` in
-    ``param_dtype``; FP8 pieces dequantized)."""
-    gathered = started if config.shard_world == 1 else _c10d.wait_tensor(started)
+def gather_input(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
+    """What a bucket's all-gather sends: the shard cast to ``param_dtype``, or (``config.fp8``, [Note:
+    FP8 all-gather]) this rank's panels quantized and packed."""
+    if config.fp8 is None:
+        return shard.to(config.param_dtype)
+    fp8 = config.fp8
+    local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
+    return fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, local)
+
+
+def unpack_gathered(gathered: torch.Tensor, shard_size: int, config: GatherConfig) -> torch.Tensor:
+    """The all-gather's output as the bucket's gathered buffer (``m·S`` in ``param_dtype``): as is, or
+    every FP8 piece dequantized."""
     if config.fp8 is None:
         return gathered
     fp8 = config.fp8

@@ -38,6 +38,15 @@ every rank). The accumulating variant names no buckets: after a step whose forwa
 (``no_sync``), whose next forward will accumulate too, nothing is issued. The buffers (``m·S``
 elements each, in ``param_dtype``) are held from the end of the step to the next forward, which
 starts by gathering them anyway.
+
+[Note: gloo and functional all-gathers in flight]
+On gloo (torch 2.13, CPU build), two functional all-gathers (``_c10d_functional.all_gather_into_tensor``,
+eager) in flight at once corrupt the heap: a loop that issues the next before waiting for the last
+crashed 3 runs of 3 (SIGSEGV or ``malloc(): unaligned tcache chunk``), while the same loop through
+``dist.all_gather_into_tensor(out, x, async_op=True)`` with both tensors held until ``wait()``, and
+pipelined functional reduce-scatters, ran clean (docs/reliability.md has the script). The gathers
+issued here live across a whole forward's collectives, so they go through the ``Work`` API, holding
+their input and output until the wait.
 """
 
 from __future__ import annotations
@@ -49,11 +58,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
-from .gather import GatherConfig, finish_all_gather, start_all_gather
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .gather import GatherConfig, gather_input, unpack_gathered
 
 __all__ = ["Target", "discard", "enable", "in_flight", "note_first", "take"]
 
-_c10d = torch.ops._c10d_functional
 WAIT_SCOPE = "fsdp_pass::prefetched_gather_wait"  # profiler scope of take's agreement and wait
 
 
@@ -61,7 +72,9 @@ class _Prefetch(NamedTuple):
     buffer: weakref.ref  # the DBuffer gathered
     config: GatherConfig  # the gather's arguments in the graph that named it
     version: int  # the shard's version counter when the gather was issued
-    started: torch.Tensor  # start_all_gather's output, not waited on yet
+    work: dist.Work  # the all-gather in flight ([Note: gloo and functional all-gathers in flight])
+    sent: torch.Tensor  # its input (gather_input of the shard), held until the wait
+    received: torch.Tensor  # its output (m times the input), held until the wait
 
 
 class Target(NamedTuple):
@@ -110,15 +123,18 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             continue  # frozen: no step writes it, any optimizer's step issues it once
         _discard(id(buf))
         with torch.no_grad():
-            started = start_all_gather(buf.shard.detach(), config)
-        _in_flight[id(buf)] = _Prefetch(ref, config, buf.shard._version, started)
+            sent = gather_input(buf.shard.detach(), config)
+        received = sent.new_empty(sent.numel() * config.shard_world)
+        work = dist.all_gather_into_tensor(received, sent, group=_resolve_process_group(config.shard_group),
+                                           async_op=True)
+        _in_flight[id(buf)] = _Prefetch(ref, config, buf.shard._version, work, sent, received)
 
 
 def _discard(key: int) -> None:
     """Drop the gather in flight for a bucket, if any (wait for it: its collective was issued on every rank)."""
     entry = _in_flight.pop(key, None)
     if entry is not None:
-        _c10d.wait_tensor(entry.started)
+        entry.work.wait()
 
 
 def discard(buffers) -> None:
@@ -142,8 +158,10 @@ def take(targets: list[Target]) -> list[torch.Tensor] | None:
         del _in_flight[id(t.buffer)]
     with record_function(WAIT_SCOPE):
         changed = any(t.buffer.shard._version != e.version for e, t in zip(entries, targets))
-        shard = targets[0].buffer.shard
-        stale = torch.tensor([int(changed)], dtype=torch.int32, device=shard.device)
-        stale = _c10d.wait_tensor(_c10d.all_reduce(stale, "max", targets[0].config.shard_group))
-        gathered = [finish_all_gather(e.started, t.buffer.shard.numel(), t.config) for e, t in zip(entries, targets)]
-        return None if stale.item() else gathered
+        stale = torch.tensor([int(changed)], dtype=torch.int32, device=targets[0].buffer.shard.device)
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=_resolve_process_group(targets[0].config.shard_group))
+        for entry in entries:
+            entry.work.wait()
+        if stale.item():
+            return None
+        return [unpack_gathered(e.received, t.buffer.shard.numel(), t.config) for e, t in zip(entries, targets)]
