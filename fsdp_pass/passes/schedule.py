@@ -101,8 +101,8 @@ def gather_taken_again(gm: fx.GraphModule, configs: dict[int, GatherConfig]) -> 
         with graph.inserting_before(node):
             if config.fp8 is not None:
                 fp8 = config.fp8
-                local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
-                source = _add(graph, fake_mode, fp8_pack_shard._opoverload, shard, fp8.tile, fp8.scale_slots, local)
+                source = _add(graph, fake_mode, fp8_pack_shard._opoverload, shard, fp8.tile, fp8.scale_slots,
+                              fp8.pack_arguments())
             elif shard.meta["val"].dtype != config.param_dtype:
                 source = _add(graph, fake_mode, torch.ops.prims.convert_element_type.default, shard, config.param_dtype)
             else:
@@ -112,8 +112,8 @@ def gather_taken_again(gm: fx.GraphModule, configs: dict[int, GatherConfig]) -> 
             gathered = _add(graph, fake_mode, _c10d.wait_tensor.default, gathered)
             if config.fp8 is not None:
                 gathered = _add(graph, fake_mode, fp8_unpack._opoverload, gathered, config.shard_world,
-                                shard.meta["val"].numel(), fp8.tile, fp8.scale_slots,
-                                [v for piece in fp8.pieces for v in piece], config.param_dtype)
+                                shard.meta["val"].numel(), fp8.tile, fp8.scale_slots, fp8.unpack_arguments(),
+                                config.param_dtype)
         node.replace_all_uses_with(gathered)
         graph.erase_node(node)
     graph.lint()

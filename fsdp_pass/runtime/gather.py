@@ -53,6 +53,14 @@ class Fp8Gather(NamedTuple):
     scale_slots: int  # float32 scales each rank packs after its codes (the most any rank needs)
     pieces: tuple[tuple[int, int, int, int, int], ...]
 
+    def pack_arguments(self) -> list[int]:
+        """``fp8_pack_shard``'s flat ``pieces``: this rank's pieces, without the rank."""
+        return [v for rank, *piece in self.pieces if rank == self.rank for v in piece]
+
+    def unpack_arguments(self) -> list[int]:
+        """``fp8_unpack``'s flat ``pieces``: every rank's pieces."""
+        return [v for piece in self.pieces for v in piece]
+
 
 def _code_bytes(shard_size: int) -> int:
     return -(-shard_size // 4) * 4  # scales after the codes start 4-byte aligned
@@ -156,8 +164,7 @@ def gather_input(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
     if config.fp8 is None:
         return shard.to(config.param_dtype)
     fp8 = config.fp8
-    local = [v for rank, *piece in fp8.pieces if rank == fp8.rank for v in piece]
-    return fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, local)
+    return fp8_pack_shard(shard, fp8.tile, fp8.scale_slots, fp8.pack_arguments())
 
 
 def unpack_gathered(gathered: torch.Tensor, shard_size: int, config: GatherConfig) -> torch.Tensor:
@@ -166,8 +173,8 @@ def unpack_gathered(gathered: torch.Tensor, shard_size: int, config: GatherConfi
     if config.fp8 is None:
         return gathered
     fp8 = config.fp8
-    return fp8_unpack(gathered, config.shard_world, shard_size, fp8.tile, fp8.scale_slots,
-                      [v for piece in fp8.pieces for v in piece], config.param_dtype)
+    return fp8_unpack(gathered, config.shard_world, shard_size, fp8.tile, fp8.scale_slots, fp8.unpack_arguments(),
+                      config.param_dtype)
 
 
 _handed: dict[int, torch.Tensor] = {}  # slot → a gathered buffer handed to the next graph call
