@@ -172,8 +172,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
             if prefetched is not None:  # this call takes nothing prefetched, nor will its next one
                 step_prefetch.note_first([])
-            if step_prefetch.in_flight():
-                step_prefetch.discard(buffers)
+            step_prefetch.discard(buffers)
             pending = [b.pending_input(config) for b, config in trainable]
             return accumulating.compiled()(*shards, *pending, *rest_args)
         leaves = [] if deferred is None else [buffers[deferred].deferred_input(deferred_config)]
@@ -186,8 +185,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
                     hand_over(i, buffer)
                 del gathered  # the graph frees each buffer after its last use
                 return prefetched.compiled()(*shards, *leaves, *rest_args)
-        if step_prefetch.in_flight():
-            step_prefetch.discard(buffers)
+        step_prefetch.discard(buffers)
         return compiled(*shards, *leaves, *rest_args)
 
     return run

@@ -90,10 +90,10 @@ class Options:
             last) in flight after backward, and wait for it where its gradient is first read, so the
             optimizer step overlaps it (default False; see [Note: the last reduce-scatter overlaps the
             optimizer step] in runtime/deferred_reduce.py). Graphs of one bucket keep their reduce-scatter.
-        prefetch_next_step: issue the all-gather of the bucket a graph gathers first (the next forward's
-            first) when the optimizer step ends, so it overlaps what runs until the next forward; that
-            forward takes it unless a rank's shard changed since (default False; see [Note: the next
-            step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
+        prefetch_next_step: issue the all-gathers a graph starts with (its first ``prefetch`` + 1
+            buckets) when the optimizer step ends, so they overlap what runs until the next forward;
+            that forward takes them unless a rank's shard changed since (default False; see [Note: the
+            next step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,

@@ -20,11 +20,11 @@ data-parallel degree (in place), run where one of those gradients is first read:
 So the optimizer's Python, its ops on parameters and states, and its ops on the other buckets'
 gradients run while the transfer is in flight. A foreach or fused optimizer reads every gradient in
 its first kernel; ``fsdp_pass.step_reduced_first(opt)`` (optimizer_step.py) steps the other buckets'
-parameters first, so their whole update runs while it is in flight. The values are today's exactly: the same
-reduce-scatter of the same gradient, then the same IEEE division. It applies only where the wait is
-the last thing needed: one shard group (an HSDP all-reduce would be a collective at the reader, who
-may be one rank only), reduce dtype = master dtype (the views are of the reduce-scatter's output), and
-no gradient held already (it is then reduced and added at once, as without the option).
+parameters first, so their whole update runs while it is in flight. The values are today's exactly:
+the same reduce-scatter of the same gradient, then the same IEEE division. It applies only where
+the wait is the last thing needed: one shard group (an HSDP all-reduce would be a collective at the
+reader, who may be one rank only), reduce dtype = master dtype (the views are of the reduce-scatter's
+output), and no gradient held already (it is then reduced and added at once, as without the option).
 """
 
 from __future__ import annotations

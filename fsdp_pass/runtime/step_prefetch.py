@@ -98,6 +98,7 @@ def enable() -> None:
 
 
 def in_flight() -> bool:
+    """Whether a gather issued at a step is in flight."""
     return bool(_in_flight)
 
 
@@ -112,6 +113,8 @@ def note_first(targets: list[Target]) -> None:
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     global _named_since_step
     _named_since_step = False
+    if not _target:
+        return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for ref, config in _target:
         buf = ref()
@@ -138,7 +141,9 @@ def _discard(key: int) -> None:
 
 
 def discard(buffers) -> None:
-    """Drop the gathers in flight for any of ``buffers``."""
+    """Drop the gathers in flight for any of ``buffers`` (nothing to look up when none is in flight)."""
+    if not _in_flight:
+        return
     for buf in buffers:
         if id(buf) in _in_flight:
             _discard(id(buf))
