@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fsdp_pass
 from fsdp_pass.backend import records
-from fsdp_pass.optim import AdamW8bit, Muon, Shampoo
+from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 from fsdp_pass.runtime import deferred_reduce, step_prefetch
 from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -59,7 +59,7 @@ def _assert_same(tag: str, a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def _train(tag: str, rank: int, models, make_opt, read: dict, steps: int = STEPS, micro: int = 1,
            no_sync: bool = False) -> None:
-    opts = [make_opt(m.parameters()) for m in models]
+    opts = [make_opt(m) for m in models]
     for step in range(steps):
         for model, opt in zip(models, opts):
             for k in range(micro):
@@ -98,22 +98,25 @@ def _unread_then_cleared(model, opt) -> None:
     opt.zero_grad()
 
 
-def _shampoo(params):
-    return Shampoo(params, lr=1e-2)
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _adamw8bit(params):
-    return AdamW8bit(params, lr=1e-2, min_8bit_size=256, block_size=64)  # 8-bit moments on this tiny model
+def _shampoo(model):
+    return Shampoo(model.parameters(), lr=1e-2)
+
+
+def _adamw8bit(model):
+    return AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=256, block_size=64)  # 8-bit moments on this tiny model
 
 
 class _MuonAndAdamW:
-    """Muon for the layers' matrices, AdamW for the rest: two optimizers share each layer's bucket."""
+    """Muon for the layers' matrices, AdamW for the rest (``muon_param_groups``): two optimizers share
+    each layer's bucket."""
 
-    def __init__(self, params):
-        params = list(params)
-        matrices = [p for p in params if p.ndim == 2 and p.shape[0] != LlamaConfig().vocab]
-        rest = [p for p in params if all(p is not q for q in matrices)]
-        self.optimizers = [Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)]
+    def __init__(self, model):
+        matrices, rest = muon_param_groups(model)
+        self.optimizers = [Muon(matrices, lr=0.02), torch.optim.AdamW([p for _, p in rest], lr=1e-2)]
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -188,11 +191,12 @@ def _cases(rank: int, world: int) -> None:
     models = _pair()
     taken: list[bool] = []
     _count_takes(taken)
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
     _train("AdamW foreach", rank, models, adamw, {"step": _step})
-    _train("AdamW fused", rank, models, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), {"step": _step}, steps=1)
+    _train("AdamW fused", rank, models, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+           {"step": _step}, steps=1)
     _train("SGD + clip_grad_norm_, gradients kept", rank, models,
-           lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"step": _clip_and_step, "zeroes": False}, steps=2)
+           _sgd, {"step": _clip_and_step, "zeroes": False}, steps=2)
     for model in models:
         model.zero_grad()
     _train("zero_grad(set_to_none) before any read", rank, models, adamw, {"step": _unread_then_cleared}, steps=1)
@@ -200,8 +204,8 @@ def _cases(rank: int, world: int) -> None:
     _train("no_sync", rank, models, adamw, {"step": _step, "prefetches": False}, steps=1, micro=3, no_sync=True)
     _train("Muon and AdamW", rank, models, _MuonAndAdamW, {"step": _step})
     assert taken and all(taken), f"forwards after a step without writes took the prefetched gather: {taken}"
-    for name, make_opt in (("AdamW foreach", adamw), ("AdamW fused", lambda ps: torch.optim.AdamW(ps, fused=True)),
-                           ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    for name, make_opt in (("AdamW foreach", adamw),
+                           ("AdamW fused", lambda m: torch.optim.AdamW(m.parameters(), fused=True)), ("SGD", _sgd),
                            ("Muon and AdamW", _MuonAndAdamW), ("Shampoo", _shampoo), ("AdamW8bit", _adamw8bit)):
         passes: list[bool] = []
         _train(f"{name}, step_reduced_first", rank, models, make_opt, {"step": _reduced_first(models[0], passes)},
