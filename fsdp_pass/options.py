@@ -104,7 +104,8 @@ class Options:
             that no rank boundary may cut.
         align_bytes: tensor starts and shard sizes are multiples of this many bytes (default 16).
         prefetch: issue each all_gather this many buckets ahead of its use (default 1; 0 turns the
-            overlap scheduling off).
+            overlap scheduling off; on CPU, one collective in flight at a time: [Note: one
+            collective in flight on gloo] in passes/schedule.py).
         max_inflight_bytes: most bytes of gathered buckets in flight at once when prefetching
             (default: no bound).
         fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}`` (fnmatch

@@ -45,6 +45,21 @@ def _check_forward(fw: fx.GraphModule) -> None:
         assert pos[gathers[k + 1]] < pos[compute_k], f"all_gather {k + 1} is not issued before bucket {k}'s compute"
 
 
+def _max_collectives_in_flight(gm: fx.GraphModule) -> int:
+    """Most collectives issued and not yet waited on, at any point of the graph order: on CPU (gloo)
+    one ([Note: one collective in flight on gloo])."""
+    in_flight, worst = set(), 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is _c10d.wait_tensor.default:
+            in_flight.discard(node.args[0])
+        elif node.target.namespace == "_c10d_functional":
+            in_flight.add(node)
+        worst = max(worst, len(in_flight))
+    return worst
+
+
 def _check_backward(bw: fx.GraphModule) -> None:
     pos = _position(bw)
     scatters = _nodes(bw, _c10d.reduce_scatter_tensor.default)
@@ -84,13 +99,20 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     (record,) = [r for r in records() if id(r) not in before]
     _check_forward(record.modules["forward"])
     _check_backward(record.modules["backward"])
+    for stage in ("forward", "backward"):
+        assert _max_collectives_in_flight(record.modules[stage]) == 1, stage
     if compiler == "inductor":
-        # Inductor keeps the order: the second all_gather is issued before the first addmm runs.
+        # Inductor keeps the order: the second all_gather is issued after the first one's wait and
+        # before the first addmm runs.
         code = record.graphs["forward (inductor code)"]
         calls = re.findall(r"^\s*(?:\w+ = )?(?:torch\.ops\._c10d_functional\.)?(all_gather_into_tensor|wait_tensor|"
                            r"extern_kernels\.addmm)(?:\.default)?\(", code, re.M)
-        assert calls[:4] == ["all_gather_into_tensor", "all_gather_into_tensor", "wait_tensor",
+        assert calls[:4] == ["all_gather_into_tensor", "wait_tensor", "all_gather_into_tensor",
                              "extern_kernels.addmm"], calls
+        for stage in ("forward", "backward"):  # and it keeps one collective in flight on CPU
+            ops = re.findall(r"_c10d_functional\.(\w+?)(?:\.default)?\(", record.graphs[f"{stage} (inductor code)"])
+            issued = [op != "wait_tensor" for op in ops]
+            assert len(ops) >= 4 and all(issued[::2]) and not any(issued[1::2]), (stage, ops)
 
     torch._dynamo.reset()
     before = set(map(id, records()))
@@ -99,6 +121,8 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     lm_loss(torch.compile(model, backend="vescale", options={"compiler": compiler})(tokens), tokens).backward()
     (record,) = [r for r in records() if id(r) not in before]
     _check_first_backward_gather(record.modules["backward"])
+    for stage in ("forward", "backward"):
+        assert _max_collectives_in_flight(record.modules[stage]) == 1, stage
 
     # A bound below two buckets disables prefetch wherever it would exceed it.
     torch._dynamo.reset()

@@ -39,14 +39,10 @@ every rank). The accumulating variant names no buckets: after a step whose forwa
 elements each, in ``param_dtype``) are held from the end of the step to the next forward, which
 starts by gathering them anyway.
 
-[Note: gloo and functional all-gathers in flight]
-On gloo (torch 2.13, CPU build), two functional all-gathers (``_c10d_functional.all_gather_into_tensor``,
-eager) in flight at once corrupt the heap: a loop that issues the next before waiting for the last
-crashed 3 runs of 3 (SIGSEGV or ``malloc(): unaligned tcache chunk``), while the same loop through
-``dist.all_gather_into_tensor(out, x, async_op=True)`` with both tensors held until ``wait()``, and
-pipelined functional reduce-scatters, ran clean (docs/reliability.md has the script). The gathers
-issued here live across a whole forward's collectives, so they go through the ``Work`` API, holding
-their input and output until the wait.
+The ``prefetch`` + 1 gathers issued here are in flight together, from the step to the next forward,
+so they go through the ``Work`` API, holding their input and output until the wait: two functional
+all-gathers in flight at once corrupt gloo's heap, two through the ``Work`` API did not ([Note: one
+collective in flight on gloo] in passes/schedule.py).
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class _Prefetch(NamedTuple):
     buffer: weakref.ref  # the DBuffer gathered
     config: GatherConfig  # the gather's arguments in the graph that named it
     version: int  # the shard's version counter when the gather was issued
-    work: dist.Work  # the all-gather in flight ([Note: gloo and functional all-gathers in flight])
+    work: dist.Work  # the all-gather in flight ([Note: one collective in flight on gloo])
     sent: torch.Tensor  # its input (gather_input of the shard), held until the wait
     received: torch.Tensor  # its output (m times the input), held until the wait
 
