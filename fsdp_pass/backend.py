@@ -133,9 +133,10 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
     fakes = lambda tensors: [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]  # noqa: E731
     accumulating_gm, accumulating_configs = accumulating_variant(rewritten)
+    accumulating_inputs = shard_fakes + fakes(pending_leaf(rewritten.buffers[i], c)
+                                              for i, c in accumulating_configs.items()) + rest
     accumulating = _LazyVariant(accumulating_gm, opts, _Suffixed(record, " (accumulate)"), fake_mode, rewritten.buffers,
-                                shard_fakes + fakes(pending_leaf(rewritten.buffers[i], c)
-                                                    for i, c in accumulating_configs.items()) + rest)
+                                accumulating_inputs)
     gathered_first = _gathered_buckets(rewritten)
     deferred = _deferred_bucket(rewritten, gathered_first) if opts.overlap_last_reduce else None
     main_gm, main_leaves = rewritten.gm, []
@@ -144,12 +145,15 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         deferred_config = deferred_configs[deferred]
         main_leaves = fakes([pending_leaf(rewritten.buffers[deferred], deferred_config)])
     compiled = compile_scheduled(main_gm, shard_fakes + main_leaves + rest, opts, record, rewritten.buffers)
-    prefetched = None
+    prefetched = accumulating_prefetched = None
     taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
     if taken:  # [Note: the next step's first gather starts at the optimizer step]
+        taken_configs = {i: rewritten.configs[i] for i in taken}
         prefetched = _LazyVariant(prefetching_variant(main_gm, taken), opts, _Suffixed(record, " (prefetched)"),
-                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest,
-                                  {i: rewritten.configs[i] for i in taken})
+                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest, taken_configs)
+        accumulating_prefetched = _LazyVariant(prefetching_variant(accumulating_gm, taken), opts,
+                                               _Suffixed(record, " (accumulate, prefetched)"), fake_mode,
+                                               rewritten.buffers, accumulating_inputs, taken_configs)
         step_prefetch.enable()
     _remember(record)
 
@@ -170,23 +174,29 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         rest_args = [a for i, a in enumerate(args) if i not in dropped]
         trainable = [(buffers[i], config) for i, config in accumulating_configs.items()]
         if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
-            if prefetched is not None:  # this call takes nothing prefetched, nor will its next one
-                step_prefetch.note_first([])
-            step_prefetch.discard(buffers)
             pending = [b.pending_input(config) for b, config in trainable]
+            if taken and _take_prefetched(buffers):
+                return accumulating_prefetched.compiled()(*shards, *pending, *rest_args)
+            step_prefetch.discard(buffers)
             return accumulating.compiled()(*shards, *pending, *rest_args)
         leaves = [] if deferred is None else [buffers[deferred].deferred_input(deferred_config)]
-        if prefetched is not None:
-            targets = [step_prefetch.Target(buffers[i], rewritten.configs[i]) for i in taken]
-            step_prefetch.note_first(targets)
-            gathered = step_prefetch.take(targets)
-            if gathered is not None:
-                for i, buffer in zip(taken, gathered):
-                    hand_over(i, buffer)
-                del gathered  # the graph frees each buffer after its last use
-                return prefetched.compiled()(*shards, *leaves, *rest_args)
+        if taken and _take_prefetched(buffers):
+            return prefetched.compiled()(*shards, *leaves, *rest_args)
         step_prefetch.discard(buffers)
         return compiled(*shards, *leaves, *rest_args)
+
+    def _take_prefetched(buffers: list[DBuffer]) -> bool:
+        """Name this call's first buckets for the next step, and hand the graph the gathers the last step
+        issued for them, if they are good to take ([Note: the next step's first gather starts at the
+        optimizer step])."""
+        targets = [step_prefetch.Target(buffers[i], rewritten.configs[i]) for i in taken]
+        step_prefetch.note_first(targets)
+        gathered = step_prefetch.take(targets)
+        if gathered is None:
+            return False
+        for i, buffer in zip(taken, gathered):
+            hand_over(i, buffer)
+        return True  # the graph frees each buffer after its last use: nothing else holds them
 
     return run
 

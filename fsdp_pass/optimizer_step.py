@@ -10,7 +10,10 @@ while the transfer finishes, then over the rest.
 The two passes compute exactly what one step computes for an optimizer whose update of a parameter
 reads only that parameter, its gradient, its own state and its group's settings: torch's AdamW, Adam
 and SGD (foreach, fused or for-loop), fsdp_pass's Muon, Shampoo and AdamW8bit
-(``tests/test_step_boundary.py`` compares them bitwise). Optimizer step hooks and a learning-rate
+(``tests/test_step_boundary.py`` compares them bitwise). On CPU the transfer is finished before any
+other collective starts ([Note: one collective in flight on gloo] in passes/schedule.py): Muon,
+Shampoo and AdamW8bit redistribute the blocks a rank boundary cuts, so with such blocks their first
+pass ends the overlap at its first redistribute. Optimizer step hooks and a learning-rate
 scheduler's step counter see two calls. ``clip_grad_norm_`` before it reads every gradient, so
 nothing is in flight any more and this is one ``optimizer.step()``.
 """

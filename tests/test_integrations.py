@@ -3,7 +3,8 @@
 
 Each framework's own loop against one process on the same global batch: AdamW with clipping,
 gradient accumulation without per-micro-batch reduce-scatters, the framework's saves loaded into
-a plain model, and a resumed run that continues exactly.
+a plain model, and a resumed run that continues exactly. accelerate on 2 ranks runs with the
+step-boundary options on (``overlap_last_reduce``, ``prefetch_next_step``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 import fsdp_pass
+from fsdp_pass.backend import records
+from fsdp_pass.runtime import step_prefetch
 from fsdp_pass.runtime.dbuffer import buffers_of
 from fsdp_pass.testing.spawn import free_port, run_distributed, set_launcher_env
 
@@ -68,8 +71,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- accelerate --------------------------------------------------------------------------------
 
 
-def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[int, int] | None = None) -> dict:
-    """``mesh_shape``: HSDP (replicas, shards) on a mesh the script makes; None: fsdp_pass's default mesh."""
+def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[int, int] | None = None,
+                step_overlap: bool = False) -> dict:
+    """``mesh_shape``: HSDP (replicas, shards) on a mesh the script makes; None: fsdp_pass's default mesh.
+    ``step_overlap``: with ``overlap_last_reduce`` and ``prefetch_next_step`` (docs/options.md)."""
     set_launcher_env(rank, world, port)
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -81,6 +86,8 @@ def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[in
     assert dist.get_world_size() == world
     model = _hf_llama()
     options = {"compiler": "aot_eager"}
+    if step_overlap:
+        options.update(overlap_last_reduce=True, prefetch_next_step=True, min_bucket_bytes=0)  # several buckets
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -103,6 +110,8 @@ def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[in
                     norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
                     assert torch.isfinite(norm)
                 opt.step()
+                if step_overlap and accelerator.sync_gradients:  # accelerate's optimizer stepped the inner one
+                    assert step_prefetch.in_flight(), "no gather issued at the optimizer step"
                 opt.zero_grad()
             total += loss.detach() / MICRO
         dist.all_reduce(total)
@@ -119,7 +128,10 @@ def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[in
     accelerator.load_state(os.path.join(tmp, "state"))  # back to step 3, then the same steps again
     resumed = [run_step(step) for step in range(3, STEPS)]
     again = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if step_overlap:  # the first micro-batch of a step (no_sync) took the gathers the step before issued
+        assert any("forward (accumulate, prefetched)" in r.modules for r in records())
     if rank == 0:
+        # load_state wrote every shard after the last step had issued its gathers: never read stale
         assert resumed == losses[3:], (resumed, losses[3:])
         for name, value in trained.items():
             assert torch.equal(again[name], value), f"{name} differs after load_state and the same steps"
@@ -144,11 +156,12 @@ def _parity(losses: list[float] | None, params: dict[str, torch.Tensor], grad_no
     return result
 
 
-@pytest.mark.parametrize("world, mesh_shape", [(2, None), (4, (2, 2))], ids=["2 ranks", "2x2 HSDP"])
-def test_accelerate_trains_saves_and_resumes_like_one_process(world, mesh_shape):
+@pytest.mark.parametrize("world, mesh_shape, step_overlap", [(2, None, True), (4, (2, 2), False)],
+                         ids=["2 ranks, step overlap options", "2x2 HSDP"])
+def test_accelerate_trains_saves_and_resumes_like_one_process(world, mesh_shape, step_overlap):
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_distributed(_accelerate, world, free_port(), tmp, mesh_shape, backend=None)[0]
-    print(f"accelerate, {world} ranks, mesh {mesh_shape}: {result}")
+        result = run_distributed(_accelerate, world, free_port(), tmp, mesh_shape, step_overlap, backend=None)[0]
+    print(f"accelerate, {world} ranks, mesh {mesh_shape}, step overlap {step_overlap}: {result}")
     assert result["loss_rel"] <= LOSS_TOLERANCE and result["param_rel"] <= PARAM_TOLERANCE, result
 
 

@@ -4,7 +4,9 @@ Each helper takes ``group=None`` to mean *no communication* (a single process, `
 torch's default world group — and also skips communication when the group has one rank.
 
 They issue torch's functional collectives (``torch.ops._c10d_functional``) and wait on them at once:
-that runs eagerly on gloo and NCCL, and the same code also traces under ``torch.compile``.
+that runs eagerly on gloo and NCCL, and the same code also traces under ``torch.compile``. On CPU a
+gradient's reduce-scatter left in flight (``overlap_last_reduce``) is finished first ([Note: one
+collective in flight on gloo] in passes/schedule.py).
 
 Timeouts: none of these helpers has a timeout of its own. Every call relies on the timeout of the
 process group it runs on (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``): a
@@ -18,6 +20,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .deferred_reduce import settle_before_collective
 
 __all__ = ["all_gather_padded", "all_reduce_", "all_to_all_uneven", "group_size"]
 
@@ -37,6 +41,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     """
     if group_size(group) == 1:
         return tensor
+    settle_before_collective(tensor.device)
     reduced = _c10d.wait_tensor(_c10d.all_reduce(tensor, op, group.group_name))
     return tensor.copy_(reduced)
 
@@ -56,6 +61,7 @@ def all_to_all_uneven(
     """
     if group_size(group) == 1:
         return local.clone()
+    settle_before_collective(local.device)
     out = _c10d.all_to_all_single(local.contiguous(), list(recv_splits), list(send_splits), group.group_name)
     return _c10d.wait_tensor(out)
 
@@ -72,6 +78,7 @@ def all_gather_padded(local: torch.Tensor, sizes: Sequence[int], group: ProcessG
     width = max(sizes)
     if width == 0:
         return local.new_empty(0)
+    settle_before_collective(local.device)
     padded = local.new_zeros(width)
     padded[: local.numel()] = local
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(padded, world, group.group_name))

@@ -360,6 +360,7 @@ class DBuffer:
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The global buffer (``m*S`` elements), gathered eagerly; parameters are its views."""
+        deferred_reduce.settle_before_collective(self.shard.device)
         return gather_bucket(self.shard.detach(), **self.config(dtype or self.dtype, self.dtype)._asdict())
 
     def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp8: bool = False) -> GatherConfig:

@@ -18,7 +18,10 @@ data-parallel degree (in place), run where one of those gradients is first read:
 * the next compiled call (a ``zero_grad(set_to_none=True)`` leaves nobody to read it).
 
 So the optimizer's Python, its ops on parameters and states, and its ops on the other buckets'
-gradients run while the transfer is in flight. A foreach or fused optimizer reads every gradient in
+gradients run while the transfer is in flight. On CPU, any other collective fsdp_pass issues first
+(an optimizer's redistribute, a norm's all-reduce, an eager gather, the next step's prefetched
+gathers) waits for it before it starts (:func:`settle_before_collective`, [Note: one collective in
+flight on gloo] in passes/schedule.py). A foreach or fused optimizer reads every gradient in
 its first kernel; ``fsdp_pass.step_reduced_first(opt)`` (optimizer_step.py) steps the other buckets'
 parameters first, so their whole update runs while it is in flight. The values are today's exactly:
 the same reduce-scatter of the same gradient, then the same IEEE division. It applies only where
@@ -37,7 +40,8 @@ from torch.utils._pytree import tree_flatten
 
 from .gather import GatherConfig
 
-__all__ = ["any_in_flight", "is_in_flight", "settle_all", "settle_read", "settle_tensor", "start"]
+__all__ = ["any_in_flight", "is_in_flight", "settle_all", "settle_before_collective", "settle_read", "settle_tensor",
+           "start"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -113,3 +117,11 @@ def settle_all() -> None:
     """Wait for every in-flight gradient."""
     for address in list(_in_flight):
         _settle(address)
+
+
+def settle_before_collective(device: torch.device) -> None:
+    """Before another collective on ``device``'s tensors: on CPU, wait for every in-flight gradient
+    first, so that one collective is in flight at a time ([Note: one collective in flight on gloo]
+    in passes/schedule.py)."""
+    if _in_flight and device.type == "cpu":
+        settle_all()

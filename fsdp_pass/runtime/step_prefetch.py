@@ -32,17 +32,20 @@ stale. So :func:`take` first agrees on it: one all-reduce of one integer over th
 group (about 0.3 ms on gloo, against the several ms of the gathers it saves). If any rank's shard
 changed, every rank drops the prefetched buffers and runs the graph that gathers.
 
-A graph that gathers one of the buckets but does not take it (the variant that accumulates without
-sync, a graph that gathers it later) drops it (a wait, no collective: the collective was issued on
-every rank). The accumulating variant names no buckets: after a step whose forwards accumulated
-(``no_sync``), whose next forward will accumulate too, nothing is issued. The buffers (``m·S``
-elements each, in ``param_dtype``) are held from the end of the step to the next forward, which
-starts by gathering them anyway.
+The variant that accumulates without sync ([Note: gradient accumulation without sync]) has a
+prefetched twin too: with gradient accumulation the first forward after a step is a ``no_sync``
+one, and it names and takes the buckets like the graph that reduces. A graph that gathers one of
+the buckets but does not take it (a graph that gathers it later, or a call that finds the gather
+stale) drops it (a wait, no collective: the collective was issued on every rank). The buffers
+(``m·S`` elements each, in ``param_dtype``) are held from the end of the step to the next forward,
+which starts by gathering them anyway.
 
 The ``prefetch`` + 1 gathers issued here are in flight together, from the step to the next forward,
 so they go through the ``Work`` API, holding their input and output until the wait: two functional
 all-gathers in flight at once corrupt gloo's heap, two through the ``Work`` API did not ([Note: one
-collective in flight on gloo] in passes/schedule.py).
+collective in flight on gloo] in passes/schedule.py). For the same reason, on CPU a reduce-scatter
+still in flight (``overlap_last_reduce``, when an optimizer that does not hold its bucket steps
+first) is finished before they are issued.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from torch.profiler import record_function
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from . import deferred_reduce
 from .gather import GatherConfig, gather_input, unpack_gathered
 
 __all__ = ["Target", "discard", "enable", "in_flight", "note_first", "take"]
@@ -121,6 +125,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if not buf.shard.requires_grad and id(buf) in _in_flight:
             continue  # frozen: no step writes it, any optimizer's step issues it once
         _discard(id(buf))
+        deferred_reduce.settle_before_collective(buf.shard.device)
         with torch.no_grad():
             sent = gather_input(buf.shard.detach(), config)
         received = sent.new_empty(sent.numel() * config.shard_world)
