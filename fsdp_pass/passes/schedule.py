@@ -249,11 +249,11 @@ def _one_collective_in_flight(graph: fx.Graph) -> None:
 
 
 def schedule_overlap(gm: fx.GraphModule, prefetch: int = 1, max_inflight_bytes: int | None = None) -> fx.GraphModule:
-    """Reorder ``gm`` (a forward or backward graph) for communication/compute overlap; ``prefetch=0`` is a no-op."""
-    if prefetch <= 0:
-        return gm
-    _prefetch_all_gathers(gm.graph, prefetch, max_inflight_bytes)
-    _sink_reduce_scatter_waits(gm.graph)
+    """Reorder ``gm`` (a forward or backward graph) for communication/compute overlap. ``prefetch=0``
+    keeps autograd's order, except that on CPU each wait still moves up to before the next collective."""
+    if prefetch > 0:
+        _prefetch_all_gathers(gm.graph, prefetch, max_inflight_bytes)
+        _sink_reduce_scatter_waits(gm.graph)
     if _on_cpu([n for n in gm.graph.nodes if _is_collective(n)]):
         _one_collective_in_flight(gm.graph)
     gm.graph.lint()
