@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import pytest
 import torch
@@ -45,19 +46,27 @@ def _check_forward(fw: fx.GraphModule) -> None:
         assert pos[gathers[k + 1]] < pos[compute_k], f"all_gather {k + 1} is not issued before bucket {k}'s compute"
 
 
-def _max_collectives_in_flight(gm: fx.GraphModule) -> int:
-    """Most collectives issued and not yet waited on, at any point of the graph order: on CPU (gloo)
-    one ([Note: one collective in flight on gloo])."""
-    in_flight, worst = set(), 0
+def _max_in_flight(gm: fx.GraphModule, weigh: Callable[[fx.Node], int] = lambda node: 1) -> int:
+    """Most of ``weigh(collective)``, summed over the collectives issued and not yet waited on, at any
+    point of the graph order (by default: how many; on CPU (gloo) one, [Note: one collective in
+    flight on gloo])."""
+    in_flight, worst = {}, 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if node.target is _c10d.wait_tensor.default:
-            in_flight.discard(node.args[0])
+            in_flight.pop(node.args[0], None)
         elif node.target.namespace == "_c10d_functional":
-            in_flight.add(node)
-        worst = max(worst, len(in_flight))
+            in_flight[node] = weigh(node)
+        worst = max(worst, sum(in_flight.values()))
     return worst
+
+
+def _gathered_bytes(node: fx.Node) -> int:
+    """Bytes of the bucket an all_gather gathers (0 for other collectives)."""
+    if node.target is not _c10d.all_gather_into_tensor.default:
+        return 0
+    return node.meta["val"].numel() * node.meta["val"].element_size()
 
 
 def _check_backward(bw: fx.GraphModule) -> None:
@@ -79,18 +88,6 @@ def _check_first_backward_gather(bw: fx.GraphModule) -> None:
     assert gathers and pos[gathers[0]] < first_compute, "the backward's first all_gather waits behind compute"
 
 
-def _max_in_flight_gathered_bytes(gm: fx.GraphModule) -> int:
-    """Most bytes of gathered buckets issued and not yet waited on, at any point of the graph order."""
-    in_flight, worst = {}, 0
-    for node in gm.graph.nodes:
-        if node.target is _c10d.all_gather_into_tensor.default:
-            in_flight[node] = node.meta["val"].numel() * node.meta["val"].element_size()
-        elif node.target is _c10d.wait_tensor.default:
-            in_flight.pop(node.args[0], None)
-        worst = max(worst, sum(in_flight.values()))
-    return worst
-
-
 def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     torch._dynamo.reset()
     before = set(map(id, records()))
@@ -100,7 +97,7 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     _check_forward(record.modules["forward"])
     _check_backward(record.modules["backward"])
     for stage in ("forward", "backward"):
-        assert _max_collectives_in_flight(record.modules[stage]) == 1, stage
+        assert _max_in_flight(record.modules[stage]) == 1, stage
     if compiler == "inductor":
         # Inductor keeps the order: the second all_gather is issued after the first one's wait and
         # before the first addmm runs.
@@ -122,7 +119,7 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     (record,) = [r for r in records() if id(r) not in before]
     _check_first_backward_gather(record.modules["backward"])
     for stage in ("forward", "backward"):
-        assert _max_collectives_in_flight(record.modules[stage]) == 1, stage
+        assert _max_in_flight(record.modules[stage]) == 1, stage
 
     # A bound below two buckets disables prefetch wherever it would exceed it.
     torch._dynamo.reset()
@@ -133,7 +130,7 @@ def _schedule_worker(rank: int, world: int, compiler: str) -> None:
     compiled(torch.randn(4, 19)).sum().backward()
     (record,) = [r for r in records() if id(r) not in before]
     for stage in ("forward", "backward"):
-        assert _max_in_flight_gathered_bytes(record.modules[stage]) <= bound
+        assert _max_in_flight(record.modules[stage], _gathered_bytes) <= bound
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
