@@ -95,7 +95,7 @@ def live_tensor_bytes() -> int:
 
 STEP_SCOPE = "step_time::analysed_step"
 PHASES = ("step_time::forward", "step_time::backward", "step_time::optimizer")
-PREFETCH_WAIT = "fsdp_pass::prefetched_gather_wait"  # fsdp_pass.runtime.step_prefetch.WAIT_SCOPE
+PREFETCH_WAIT = "fsdp_pass::prefetched_gather_wait"  # fsdp_pass.step.prefetch.WAIT_SCOPE
 
 
 def step_window(events) -> tuple[float, float]:

@@ -204,7 +204,7 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
 
 def fsdp_pass_graphs() -> dict[str, fx.GraphModule]:
     """The forward/backward graphs fsdp_pass handed to its compiler (what runs, for aot_eager)."""
-    from fsdp_pass.backend import records
+    from fsdp_pass.compile.backend import records
 
     out = {}
     for i, rec in enumerate(records()):

@@ -127,9 +127,9 @@ def build(train, optimizer: str, layout: str, mesh, world: int):
     """The model's parameters in ``layout`` and the optimizers of ``--optimizer optimizer``."""
     import torch.nn as nn
 
-    from fsdp_pass.fully_shard import fully_shard
+    from fsdp_pass.sharding.fully_shard import fully_shard
     from fsdp_pass.placement import RaggedShard
-    from fsdp_pass.runtime.ragged_tensor import distribute_tensor
+    from fsdp_pass.tensor.ragged_tensor import distribute_tensor
 
     args = train.parse_args(["--optimizer", optimizer])
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def build(train, optimizer: str, layout: str, mesh, world: int):
 
 
 def _set_grads(params, step: int) -> None:
-    from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
+    from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor, distribute_tensor
 
     for i, p in enumerate(params):
         full = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + i)) * 1e-2
@@ -231,7 +231,7 @@ def measure(train, optimizer: str, layout: str, mesh, rank: int, world: int, war
 
 
 def _buffers(model):
-    from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
+    from fsdp_pass.tensor.ragged_tensor import bucket_of, is_sharded
 
     seen = {}
     for p in model.parameters():

@@ -109,7 +109,7 @@ def _numerics(base: nn.Module, args, device: str) -> dict:
         loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         losses.append(loss.detach())
-        grads.append([fsdp_pass.state_dict.whole_tensor(p.grad) if hasattr(p.grad, "full_tensor") else p.grad
+        grads.append([fsdp_pass.interop.state_dict.whole_tensor(p.grad) if hasattr(p.grad, "full_tensor") else p.grad
                       for p in getattr(model, "_orig_mod", model).parameters()])
 
     def rel(a, b):

@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, path: str, args) -> dict:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     import fsdp_pass
-    from fsdp_pass.runtime.dbuffer import bucket_of
+    from fsdp_pass.tensor.ragged_tensor import bucket_of
 
     out: dict = {}
     holder: dict = {}

@@ -1,7 +1,7 @@
-"""Per-layer parameter shapes of the benchmarked models (the tables live in ``fsdp_pass.model_configs``).
+"""Per-layer parameter shapes of the benchmarked models (the tables live in ``fsdp_pass.plan.model_configs``).
 
 The padding benchmark covers the three large public configs: Llama-3-70B, GPT-OSS-120B and
-DeepSeek-V3 (see ``fsdp_pass/model_configs.py`` for their shapes and sources). A model is a list of
+DeepSeek-V3 (see ``fsdp_pass/plan/model_configs.py`` for their shapes and sources). A model is a list of
 *units* ``(unit_name, [(param_name, shape), ...])``: the embedding, each transformer layer, the head.
 
 Run ``python benchmarks/model_shapes.py`` to print the totals.
@@ -17,15 +17,8 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_pass import model_configs  # noqa: E402
-from fsdp_pass.model_configs import (  # noqa: E402,F401  (re-exported for the benchmarks)
-    QUOTED_PARAMS,
-    distinct_units,
-    model_units,
-    representative_layer,
-    total_params,
-    unit_numel,
-)
+from fsdp_pass.plan import model_configs  # noqa: E402
+from fsdp_pass.plan.model_configs import QUOTED_PARAMS, distinct_units, model_units, representative_layer, total_params, unit_numel
 
 __all__ = ["MODELS", "QUOTED_PARAMS", "distinct_units", "model_units", "representative_layer", "total_params",
            "unit_numel"]

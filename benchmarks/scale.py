@@ -7,16 +7,16 @@
 For each model the forward (embedding, every layer, head and loss; tokens on the meta device too) is
 traced once by ``torch.compile`` with a backend that only keeps Dynamo's graph. The graph does not
 depend on the world size. Then, for each world size, fresh meta parameters of the same shapes are put
-in the parameter slots, and the passes run as ``fsdp_pass.backend.vescale`` chains them:
+in the parameter slots, and the passes run as ``fsdp_pass.compile.backend.vescale`` chains them:
 
-    fsdp_pass.passes.pipeline.run_passes: detect ─ shard (mesh roles, blocks, plan, DBuffers, swap) ─ rewrite
+    fsdp_pass.compile.passes.pipeline.run_passes: detect ─ shard (mesh roles, blocks, plan, DBuffers, swap) ─ rewrite
 
 The passes allocate nothing but this rank's shard of each bucket (on the CPU). The rewritten graph is
 checked (one gather per bucket, no parameter placeholders left, ``graph.lint()``) and the per-rank memory
 is read from the DBuffers. Writes ``benchmarks/results/scale.json``. Fails (exit 1) if the passes take
 longer than ``--limit`` seconds for one configuration.
 
-The models have the parameter names and shapes of ``fsdp_pass.model_configs`` (checked) and a simple
+The models have the parameter names and shapes of ``fsdp_pass.plan.model_configs`` (checked) and a simple
 forward: no rotary embedding, no KV cache; DeepSeek-V3's mixture of experts runs every expert on every
 token, weighted by the top-8 gate (zero for experts not chosen), so the graph has no data-dependent
 shapes and uses every expert's weights, as a training step does.
@@ -48,11 +48,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from fsdp_pass.testing.fake_pg import fake_process_group  # noqa: E402
 from fsdp_pass.testing.models import RMSNorm  # noqa: E402
-from fsdp_pass.model_configs import model_units  # noqa: E402
+from fsdp_pass.plan.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
-from fsdp_pass.passes.pipeline import run_passes  # noqa: E402
-from fsdp_pass.runtime.dbuffer import DBuffer  # noqa: E402
-from fsdp_pass.runtime.gather import gather_bucket  # noqa: E402
+from fsdp_pass.compile.passes.pipeline import run_passes  # noqa: E402
+from fsdp_pass.buckets.dbuffer import DBuffer  # noqa: E402
+from fsdp_pass.buckets.gather import gather_bucket  # noqa: E402
 
 MODELS = ("llama3-70b", "deepseek-v3")
 WORLDS = (1024, 4096, 16384)
@@ -212,7 +212,7 @@ BUILDERS = {"llama3-70b": llama3_70b, "deepseek-v3": deepseek_v3}
 def build(model: str, layers: int | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> CausalLM:
     """``model`` on the meta device; ``layers`` keeps the first layers only (default: all).
 
-    Raises unless the parameter names and shapes are those of ``fsdp_pass.model_configs`` (its
+    Raises unless the parameter names and shapes are those of ``fsdp_pass.plan.model_configs`` (its
     embedding, head and first ``layers`` layers).
     """
     with torch.device("meta"):
@@ -223,7 +223,7 @@ def build(model: str, layers: int | None = None, dtype: torch.dtype = torch.floa
                       if unit in ("embed", "head") or int(unit.removeprefix("layer")) < n for p in params)
     got = sorted((name, tuple(p.shape)) for name, p in built.named_parameters())
     if got != expected:
-        raise AssertionError(f"{model}: parameters differ from fsdp_pass.model_configs: "
+        raise AssertionError(f"{model}: parameters differ from fsdp_pass.plan.model_configs: "
                              f"{sorted(set(got) ^ set(expected))[:5]}")
     return built
 

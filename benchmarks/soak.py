@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import train  # noqa: E402  (the main job's model and data)
 
 import fsdp_pass  # noqa: E402
-from fsdp_pass.backend import records  # noqa: E402
+from fsdp_pass.compile.backend import records  # noqa: E402
 
 
 def resident_bytes() -> int:

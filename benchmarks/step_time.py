@@ -202,7 +202,7 @@ def _worker(rank: int, world: int, key: str, args: dict) -> dict:
     if system.compiled_fsdp:
         if system.fsdp_pass is not None:
             graphs.update(fsdp_pass_graphs())
-            from fsdp_pass.backend import records
+            from fsdp_pass.compile.backend import records
 
             notes["buckets"] = [repr(b) for rec in records() for b in rec.buffers]
         for name, gm in graphs.items():

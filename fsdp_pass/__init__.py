@@ -5,17 +5,17 @@
     model = torch.compile(model, backend="vescale", options={"mesh": mesh})
 """
 
-from . import backend as _backend  # registers the "vescale" backend
-from .blocks import set_block
-from .explain import explain
-from .fully_shard import fully_shard
-from .optimizer_step import step_reduced_first
-from .gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor, set_requires_gradient_sync
+from .compile import backend as _backend  # registers the "vescale" backend
+from .sharding.blocks import set_block
+from .compile.explain import explain
+from .sharding.fully_shard import fully_shard
+from .step.reduced_first import step_reduced_first
+from .buckets.gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor, set_requires_gradient_sync
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
-from .runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
-from .state_dict import get_full_state_dict, set_full_state_dict, set_state_dict_type
-from .unshard import unshard
+from .tensor.ragged_tensor import RaggedShardTensor, distribute_tensor
+from .interop.state_dict import get_full_state_dict, set_full_state_dict, set_state_dict_type
+from .eager.unshard import unshard
 
 __all__ = [
     "Layout",

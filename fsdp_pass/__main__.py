@@ -1,5 +1,5 @@
-"""``python -m fsdp_pass``: see :mod:`fsdp_pass.cli`."""
+"""``python -m fsdp_pass``: see :mod:`fsdp_pass.plan.cli`."""
 
-from .cli import main
+from .plan.cli import main
 
 raise SystemExit(main())

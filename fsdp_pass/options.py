@@ -13,7 +13,7 @@ __all__ = ["Fp8Options", "Options"]
 
 @dataclass(frozen=True)
 class Fp8Options:
-    """``options["fp8_all_gather"]``, validated ([Note: FP8 all-gather] in runtime/gather.py).
+    """``options["fp8_all_gather"]``, validated ([Note: FP8 all-gather] in buckets/gather.py).
 
     Attributes:
         tile: tiles are ``tile × tile`` elements with one float32 scale each (default 128).
@@ -89,11 +89,11 @@ class Options:
         overlap_last_reduce: leave the reduce-scatter of the bucket a graph gathers first (backward's
             last) in flight after backward, and wait for it where its gradient is first read, so the
             optimizer step overlaps it (default False; see [Note: the last reduce-scatter overlaps the
-            optimizer step] in runtime/deferred_reduce.py). Graphs of one bucket keep their reduce-scatter.
+            optimizer step] in step/deferred_reduce.py). Graphs of one bucket keep their reduce-scatter.
         prefetch_next_step: issue the all-gathers a graph starts with (its first ``prefetch`` + 1
             buckets) when the optimizer step ends, so they overlap what runs until the next forward;
             that forward takes them unless a rank's shard changed since (default False; see [Note: the
-            next step's first gather starts at the optimizer step] in runtime/step_prefetch.py).
+            next step's first gather starts at the optimizer step] in step/prefetch.py).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
@@ -105,12 +105,12 @@ class Options:
         align_bytes: tensor starts and shard sizes are multiples of this many bytes (default 16).
         prefetch: issue each all_gather this many buckets ahead of its use (default 1; 0 turns the
             overlap scheduling off; on CPU, one collective in flight at a time: [Note: one
-            collective in flight on gloo] in passes/schedule.py).
+            collective in flight on gloo] in compile/passes/schedule.py).
         max_inflight_bytes: most bytes of gathered buckets in flight at once when prefetching
             (default: no bound).
         fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}`` (fnmatch
             patterns on parameter names): gather the 2-D / stacked 3-D weights of repeated units as
-            FP8 codes + one scale per tile (see [Note: FP8 all-gather] in runtime/gather.py and
+            FP8 codes + one scale per tile (see [Note: FP8 all-gather] in buckets/gather.py and
             docs/fp8.md). Held as an :class:`Fp8Options` (None: off).
         gradient_divide_factor: divide the gradients summed over the data-parallel ranks by this
             (default: the data-parallel degree, a mean; 1.0: the sum), as

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import fsdp_pass
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.backend import records
-from fsdp_pass.passes.schedule import GATHER_CHAIN_OPS
-from fsdp_pass.runtime.dbuffer import bucket_of
+from fsdp_pass.compile.backend import records
+from fsdp_pass.compile.passes.schedule import GATHER_CHAIN_OPS
+from fsdp_pass.tensor.ragged_tensor import bucket_of
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, lm_loss
 
 _c10d = torch.ops._c10d_functional

@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_pass.cli import main
-from fsdp_pass.blocks import block_elements
-from fsdp_pass.plan_report import plan_model
+from fsdp_pass.plan.cli import main
+from fsdp_pass.sharding.blocks import block_elements
+from fsdp_pass.plan.report import plan_model
 from fsdp_pass.testing.fake_pg import fake_process_group
-from fsdp_pass.model_configs import build_meta_model, load_model, total_params
+from fsdp_pass.plan.model_configs import build_meta_model, load_model, total_params
 from fsdp_pass.sharding.buckets import ShardingConfig
 from fsdp_pass.sharding.materialize import shard_parameters
 from fsdp_pass.sharding.mesh_roles import resolve_mesh

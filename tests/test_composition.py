@@ -17,8 +17,8 @@ import torch.nn as nn
 
 import fsdp_pass
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.runtime.ragged_tensor import ragged_part
-from fsdp_pass.runtime.dbuffer import is_sharded
+from fsdp_pass.tensor.ragged_tensor import ragged_part
+from fsdp_pass.tensor.ragged_tensor import is_sharded
 from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
@@ -177,7 +177,7 @@ def _composed_worker(rank: int, world: int, case: str, compiler: str) -> None:
     assert share <= held <= share * 1.05 + 64, f"rank {rank} holds {held} of {total} elements"
 
     # Communication per step is what the composed layout predicts.
-    record = next(r for r in fsdp_pass.backend.records() if r.buffers)
+    record = next(r for r in fsdp_pass.compile.backend.records() if r.buffers)
     forward, backward = _collectives(record.modules["forward"]), _collectives(record.modules["backward"])
     fsdp = {b.config(b.dtype, b.dtype).shard_group: b for b in buffers}
     gathers = [(g, n) for op, g, n in forward if op == "all_gather_into_tensor" and g in fsdp]

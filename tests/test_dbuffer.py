@@ -14,10 +14,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.runtime.dbuffer import DBuffer
-from fsdp_pass.runtime.gather import gather_bucket
-from fsdp_pass.runtime.mesh import ShardingMesh
-from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
+from fsdp_pass.buckets.dbuffer import DBuffer
+from fsdp_pass.buckets.gather import gather_bucket
+from fsdp_pass.buckets.mesh import ShardingMesh
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.sharding.buckets import ShardingConfig
 from fsdp_pass.sharding.materialize import shard_parameters
 

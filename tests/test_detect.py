@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_pass
-from fsdp_pass.runtime.dbuffer import bucket_of
+from fsdp_pass.tensor.ragged_tensor import bucket_of
 
 
 class Structured(nn.Module):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
-from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
@@ -79,7 +79,7 @@ def test_eager_forward_backward_and_step_match_one_process():
 
 
 def _per_block_compilation(rank: int, world: int, compiler: str, min_bucket_bytes: int | None) -> None:
-    from fsdp_pass.backend import records
+    from fsdp_pass.compile.backend import records
 
     ref = init_std(Llama(LlamaConfig(layers=3)))
     model = copy.deepcopy(ref)
@@ -164,8 +164,8 @@ def _eager_peak_memory(rank: int, world: int) -> None:
     gather). So the bound is 1 + 1 + 2 buckets plus activations, and the model is made large enough
     that holding it whole would exceed that.
     """
-    from fsdp_pass.runtime import eager
-    from fsdp_pass.runtime.dbuffer import bucket_of
+    from fsdp_pass.buckets import whole_values as eager
+    from fsdp_pass.tensor.ragged_tensor import bucket_of
 
     cfg = LlamaConfig(dim=64, ffn=128, layers=10, vocab=64, tie_embeddings=False)
     model = init_std(Llama(cfg))

@@ -1,4 +1,4 @@
-"""FP8 block-scaled all-gather ([Note: FP8 all-gather] in fsdp_pass/runtime/gather.py).
+"""FP8 block-scaled all-gather ([Note: FP8 all-gather] in fsdp_pass/buckets/gather.py).
 
 Parity is against one process that applies the same 128x128 quantize→dequantize (straight-through)
 to the same weights in forward; traffic is counted from the collectives in the compiled graphs.
@@ -166,7 +166,7 @@ def _train(rank: int, world: int, compiler: str, steps: int = STEPS, no_sync: bo
     return {
         "loss_rel": worst_loss, "param_rel": worst_param, "bitwise": bitwise,
         "fp8_names": sorted(n for b in buffers if b.fp8_tile for n in b.names),
-        "gathered": _gathered_bytes([r for r in fsdp_pass.backend.records()
+        "gathered": _gathered_bytes([r for r in fsdp_pass.compile.backend.records()
                                      if any(id(b) in set(map(id, buffers)) for b in r.buffers)]),
         "fp8_shard_elems": fp8_shard_elems, "fp8_buckets": fp8_buckets,
         "plan": fsdp_pass.explain(compiled, print_output=False).plan_text(),
@@ -348,7 +348,7 @@ def test_plan_cli_fp8(capsys):
     """``python -m fsdp_pass plan --fp8``: all-gather bytes per rank with and without FP8."""
     import json
 
-    from fsdp_pass.cli import main
+    from fsdp_pass.plan.cli import main
 
     assert main(["plan", "--model", "llama3-8b", "--world-size", "64", "--fp8", "--json"]) == 0
     comm = json.loads(capsys.readouterr().out)["comm_bytes_per_rank"]

@@ -14,12 +14,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.fully_shard import fully_shard
-from fsdp_pass.runtime.dbuffer import DBuffer
-from fsdp_pass.runtime.mesh import ShardingMesh
-from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
+from fsdp_pass.sharding.fully_shard import fully_shard
+from fsdp_pass.buckets.dbuffer import DBuffer
+from fsdp_pass.buckets.mesh import ShardingMesh
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.sharding.buckets import ShardingConfig
-from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
+from fsdp_pass.tensor.ragged_tensor import bucket_of, is_sharded
 from fsdp_pass.sharding.materialize import shard_parameters
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig
 
@@ -135,7 +135,7 @@ def _check_second_call_is_a_no_op(mesh: DeviceMesh | None) -> None:
 
 
 def _check_eager_call_matches_the_unsharded_model(make_model, mesh: DeviceMesh | None, example_input) -> None:
-    """A sharded module still runs without torch.compile (runtime/eager.py) and gives what it gave before."""
+    """A sharded module still runs without torch.compile (eager/calls.py) and gives what it gave before."""
     model = make_model()
     expected = model(example_input).detach()
     fully_shard(model, mesh)

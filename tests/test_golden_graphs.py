@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass  # noqa: F401  (registers the backend)
-from fsdp_pass.backend import records
+from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.fake_pg import fake_process_group
 
 

@@ -1,5 +1,5 @@
 """Weight gradients written straight into the bucket gradient ([Note: gradients written into the
-bucket] in passes/grad_into_bucket.py): no ``cat`` before the reduce-scatter, bitwise the same values."""
+bucket] in compile/passes/grad_into_bucket.py): no ``cat`` before the reduce-scatter, bitwise the same values."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_pass
-from fsdp_pass.backend import records
-from fsdp_pass.passes import pipeline
-from fsdp_pass.passes.grad_into_bucket import _in_place_producer
-from fsdp_pass.runtime.dbuffer import bucket_of, is_sharded
-from fsdp_pass.runtime.matmul_into import matmul_into
+from fsdp_pass.compile.backend import records
+from fsdp_pass.compile.passes import pipeline
+from fsdp_pass.compile.passes.grad_into_bucket import _in_place_producer
+from fsdp_pass.tensor.ragged_tensor import bucket_of, is_sharded
+from fsdp_pass.buckets.matmul_into import matmul_into
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fsdp_pass
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.placement import flat_range_boxes
-from fsdp_pass.runtime.checkpoint import save_rows
+from fsdp_pass.tensor.checkpoint import save_rows
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

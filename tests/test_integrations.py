@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fsdp_pass
-from fsdp_pass.backend import records
-from fsdp_pass.runtime import step_prefetch
-from fsdp_pass.runtime.dbuffer import buffers_of
+from fsdp_pass.compile.backend import records
+from fsdp_pass.step import prefetch as step_prefetch
+from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.testing.spawn import free_port, run_distributed, set_launcher_env
 
 STEPS, MICRO, GLOBAL_BATCH, SEQ, VOCAB = 6, 2, 8, 8, 61

@@ -25,8 +25,9 @@ import torch.nn as nn
 
 import fsdp_pass
 from fsdp_pass.optim import AdamW8bit, Muon, muon_param_groups
-from fsdp_pass.runtime.dbuffer import buffers_of, is_sharded
-from fsdp_pass.state_dict import whole_tensor
+from fsdp_pass.buckets.dbuffer import buffers_of
+from fsdp_pass.tensor.ragged_tensor import is_sharded
+from fsdp_pass.interop.state_dict import whole_tensor
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss, random_tokens
 from fsdp_pass.testing.spawn import run_distributed
 

@@ -15,7 +15,7 @@ import torch.fx as fx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _measure as M  # noqa: E402
 
-from fsdp_pass.runtime.matmul_into import matmul_into  # noqa: E402
+from fsdp_pass.buckets.matmul_into import matmul_into  # noqa: E402
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

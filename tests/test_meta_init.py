@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_pass
-from fsdp_pass.runtime.dbuffer import bucket_of
+from fsdp_pass.tensor.ragged_tensor import bucket_of
 from fsdp_pass.testing.spawn import run_distributed
 
 

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
-from fsdp_pass.backend import records
-from fsdp_pass.runtime.dbuffer import DBuffer, bucket_of, is_sharded
+from fsdp_pass.compile.backend import records
+from fsdp_pass.buckets.dbuffer import DBuffer
+from fsdp_pass.tensor.ragged_tensor import bucket_of, is_sharded
 
 # The shared test helpers, imported in this one place.
 from fsdp_pass.testing.collectives import CountCollectives
@@ -173,7 +174,7 @@ def test_switching_compiles_each_graph_once():
 
 def test_settings_on_a_model_not_sharded_yet_wait_for_its_buckets():
     """[Note: settings recorded before sharding]; tests/test_interop.py trains through it on 2 and 4 ranks."""
-    from fsdp_pass.runtime.bucket_settings import recorded
+    from fsdp_pass.buckets.settings import recorded
 
     model = Llama(LlamaConfig(layers=1))
     for target in (model, torch.compile(model, backend="vescale")):  # compiled but never run: not sharded yet

@@ -29,15 +29,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std
 from parity import Case, run_case
-from fsdp_pass.fully_shard import fully_shard
+from fsdp_pass.sharding.fully_shard import fully_shard
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 from fsdp_pass.optim.blockwise import respects_blocks
 from fsdp_pass.optim.dynamic_code import dequantize_blockwise, dynamic_code, quantize_blockwise
 from fsdp_pass.optim.muon import zeropower_via_newtonschulz
 from fsdp_pass.optim.shampoo import inverse_fourth_root, panel_rows
-from fsdp_pass.blocks import block_size
-from fsdp_pass.runtime.dbuffer import buffers_of
-from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor, distribute_tensor
+from fsdp_pass.sharding.blocks import block_size
+from fsdp_pass.buckets.dbuffer import buffers_of
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor, distribute_tensor
 
 STEPS = 10
 

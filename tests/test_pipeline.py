@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import fsdp_pass
 from fsdp_pass.testing.collectives import CountCollectives
-from fsdp_pass.runtime.dbuffer import is_sharded
+from fsdp_pass.tensor.ragged_tensor import is_sharded
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -230,7 +230,7 @@ def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict:
     assert per_step and all(n == syncs_per_step * trained_buckets for n in per_step), (per_step, trained_buckets)
     # One compiled graph per stage (forward and backward): the schedules ran the compiled path, not
     # eager; its backward reduce-scatters each bucket once, over the stage's dp ranks only.
-    records = [r for r in fsdp_pass.backend.records() if r.buffers]
+    records = [r for r in fsdp_pass.compile.backend.records() if r.buffers]
     assert len(records) == 1 and "backward" in records[0].modules, [r.modules.keys() for r in records]
     scatters = [n.args[-1] for n in records[0].modules["backward"].graph.nodes
                 if n.op == "call_function" and "reduce_scatter" in str(n.target)]

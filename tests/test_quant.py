@@ -12,17 +12,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.fully_shard import fully_shard
-from fsdp_pass.quant import (
-    BLOCK_QUANTIZE_OPS,
-    fp8_block_dequantize,
-    fp8_block_linear,
-    fp8_block_quantize,
-    int8_block_dequantize,
-    int8_block_linear,
-    int8_block_quantize,
-    quantize_sharded,
-)
+from fsdp_pass.sharding.fully_shard import fully_shard
+from fsdp_pass.quant import BLOCK_QUANTIZE_OPS, fp8_block_dequantize, fp8_block_linear, fp8_block_quantize, int8_block_dequantize, int8_block_linear, int8_block_quantize, quantize_sharded
 
 QUANTIZERS = {"fp8": fp8_block_quantize, "int8": int8_block_quantize}
 DEQUANTIZERS = {"fp8": fp8_block_dequantize, "int8": int8_block_dequantize}

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_pass import RaggedShardTensor
 from fsdp_pass.testing.fake_pg import fake_process_group
-from fsdp_pass.model_configs import model_units
-from fsdp_pass.runtime.gather import gather_bucket
+from fsdp_pass.plan.model_configs import model_units
+from fsdp_pass.buckets.gather import gather_bucket
 
 WORLD = 16384
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-import fsdp_pass.runtime.matmul_into  # noqa: F401  (registers torch.ops.fsdp_pass.matmul_into)
+import fsdp_pass.buckets.matmul_into  # noqa: F401  (registers torch.ops.fsdp_pass.matmul_into)
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.backend import records
+from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss
 
 _c10d = torch.ops._c10d_functional

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass
-from fsdp_pass.backend import records
+from fsdp_pass.compile.backend import records
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
-from fsdp_pass.runtime import deferred_reduce, step_prefetch
-from fsdp_pass.runtime.dbuffer import buffers_of
+from fsdp_pass.step import deferred_reduce, prefetch as step_prefetch
+from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -235,7 +235,7 @@ def _cases(rank: int, world: int) -> None:
     planned = _pair()
     _train("Shampoo, planned for it", rank, planned, _shampoo, {"step": _step}, steps=2)
     # The option changed the graph: the first bucket's gradient leaves it unreduced.
-    assert buffers_of(models[0])[0]._deferred is not None and buffers_of(models[1])[0]._deferred is None
+    assert buffers_of(models[0])[0].deferred is not None and buffers_of(models[1])[0].deferred is None
 
 
 def test_last_reduce_scatter_in_flight_into_the_step_is_bitwise_the_same():

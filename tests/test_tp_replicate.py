@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_pass
-from fsdp_pass.runtime.dbuffer import is_sharded
-from fsdp_pass.runtime.ragged_tensor import ragged_part
-from fsdp_pass.state_dict import whole_tensor
+from fsdp_pass.tensor.ragged_tensor import is_sharded
+from fsdp_pass.tensor.ragged_tensor import ragged_part
+from fsdp_pass.interop.state_dict import whole_tensor
 from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
@@ -48,7 +48,7 @@ class BiasedModel(nn.Module):
     The blocks are registered first on purpose, so a DTensor parameter leads ``parameters()``: the
     list ops of ``clip_grad_norm_`` and of the optimizer (``foreach=True``, the GPU default) then go
     to DTensor's dispatch first, with RaggedShard tensors after ([Note: list ops mixing DTensor and
-    RaggedShard parameters] in runtime/mixed_lists.py).
+    RaggedShard parameters] in interop/mixed_lists.py).
     """
 
     def __init__(self) -> None:
@@ -250,7 +250,7 @@ def _train(case: str, compiler: str, mesh) -> tuple[dict, nn.Module, torch.optim
             assert isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements), name
             assert p._local_tensor._spec.world_size == 4, name
     assert worst["loss"] <= TOLERANCE and worst["norm"] <= TOLERANCE, (case, compiler, worst)
-    record = [r for r in fsdp_pass.backend.records() if r.buffers][-1]  # this case's graph
+    record = [r for r in fsdp_pass.compile.backend.records() if r.buffers][-1]  # this case's graph
     worst["forward"] = _collectives(record.modules["forward"])
     worst["backward"] = _collectives(record.modules["backward"])
     worst["buckets"] = len(record.buffers)

@@ -111,7 +111,7 @@ def test_two_ranks_and_one_process_train_the_same_model(tmp_path):
 @pytest.mark.parametrize("optimizer", ["muon", "shampoo", "adamw8bit", "adamw", "sgd"])
 def test_build_optimizers_annotate_blocks_before_sharding(optimizer):
     """Every --optimizer builds; the structure-aware ones annotate the blocks the planner must keep whole."""
-    from fsdp_pass.blocks import annotated_block
+    from fsdp_pass.sharding.blocks import annotated_block
 
     train = _load_example()
     args = train.parse_args([*SMALL, "--optimizer", optimizer])

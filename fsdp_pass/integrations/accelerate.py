@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 
-from ..gradient_sync import no_sync
-from ..runtime.dbuffer import is_sharded
-from ..state_dict import set_state_dict_type
+from ..buckets.gradient_sync import no_sync
+from ..tensor.ragged_tensor import is_sharded
+from ..interop.state_dict import set_state_dict_type
 
 __all__ = ["prepare"]
 

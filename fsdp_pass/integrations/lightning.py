@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _LightningMode
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ..gradient_sync import no_sync
+from ..buckets.gradient_sync import no_sync
 
 __all__ = ["ModelParallelStrategy"]
 

@@ -46,8 +46,8 @@ from torchtitan.models.qwen3 import config_registry as _qwen3_configs
 from torchtitan.trainer import Trainer
 
 import fsdp_pass
-from fsdp_pass.runtime.dbuffer import buffers_of as _buffers_of
-from fsdp_pass.runtime.ragged_tensor import RaggedShardTensor
+from fsdp_pass.buckets.dbuffer import buffers_of as _buffers_of
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 
 __all__ = ["CONFIGS", "CheckpointManager", "ModelWrapper", "parallelize", "with_fsdp_pass"]
 

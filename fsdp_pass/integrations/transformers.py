@@ -60,8 +60,8 @@ import torch.nn as nn
 import transformers
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from ..runtime.dbuffer import is_sharded
-from ..state_dict import _whole_values, get_full_state_dict
+from ..tensor.ragged_tensor import is_sharded
+from ..interop.state_dict import _whole_values, get_full_state_dict
 from .accelerate import _prepare_model, _refuse_compile_wrapper
 
 __all__ = ["Trainer"]

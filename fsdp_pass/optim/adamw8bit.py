@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..placement import RaggedShard
-from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec, whole_tensor
-from ..blocks import annotate_block
+from ..tensor.ragged_tensor import RaggedShardTensor, RaggedSpec, whole_tensor
+from ..sharding.blocks import annotate_block
 from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 from .dynamic_code import block_count, dequantize_blockwise, dynamic_code, quantize_blockwise
 

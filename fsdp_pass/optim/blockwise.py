@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..placement import RaggedShard
-from ..runtime.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, ragged_part
+from ..tensor.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, ragged_part
 
 __all__ = [
     "BlockJob",

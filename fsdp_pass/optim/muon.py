@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..blocks import annotate_block
+from ..sharding.blocks import annotate_block
 from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 
 __all__ = ["Muon", "muon_param_groups", "zeropower_via_newtonschulz"]

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.ragged_tensor import RaggedSpec
-from ..blocks import annotate_block
+from ..tensor.ragged_tensor import RaggedSpec
+from ..sharding.blocks import annotate_block
 from .blockwise import BlockJob, BlockwiseOptimizer, flat_piece, gradient_layout
 
 __all__ = ["Shampoo", "matrix_shape", "panel_rows"]

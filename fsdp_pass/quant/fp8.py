@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..placement import RaggedShard
-from ..runtime.ragged_tensor import RaggedShardTensor
+from ..tensor.ragged_tensor import RaggedShardTensor
 
 __all__ = [
     "BLOCK_QUANTIZE_OPS",

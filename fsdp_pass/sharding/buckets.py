@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..blocks import block_for_placements
+from .blocks import block_for_placements
 from ..planner import Layout, TensorSpec, plan_buckets
-from ..runtime.mesh import ShardingMesh
-from ..runtime.ragged_tensor import RaggedShardTensor, ragged_part
+from ..buckets.mesh import ShardingMesh
+from ..tensor.ragged_tensor import RaggedShardTensor, ragged_part
 from .mesh_roles import ParallelMesh
 
 __all__ = ["BucketPlan", "ShardingConfig", "check_one_device", "default_min_bucket_bytes", "min_bucket_bytes_for",
@@ -133,7 +133,7 @@ def plan_parameter_buckets(
     Units (:func:`unit_key`) in first-use order; within a unit, one group per (dtype, trainable,
     sharding mesh); groups under ``config.min_bucket_bytes`` merge with their neighbours; then the
     planner lays out each group (split at ``config.bucket_numel``). Parameters in ``fp8_tiles``
-    (gathered in FP8) form groups of their own ([Note: FP8 all-gather] in runtime/gather.py).
+    (gathered in FP8) form groups of their own ([Note: FP8 all-gather] in buckets/gather.py).
     """
     fp8_tiles = fp8_tiles or {}
     check_one_device(todo)

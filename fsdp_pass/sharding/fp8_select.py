@@ -1,4 +1,4 @@
-"""Which weights an FP8 all-gather moves, and their blocks ([Note: FP8 all-gather] in runtime/gather.py).
+"""Which weights an FP8 all-gather moves, and their blocks ([Note: FP8 all-gather] in buckets/gather.py).
 
 By default: the 2-D weights (and stacked 3-D expert weights) inside the repeated units the bucketing
 finds (a name with a numeric index, :func:`~fsdp_pass.sharding.buckets.unit_key`); embeddings, the
@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..options import Fp8Options
-from ..runtime.dbuffer import bucket_of, is_sharded
+from ..tensor.ragged_tensor import bucket_of, is_sharded
 
 __all__ = ["Fp8Plan", "lcm_blocks", "plan_fp8", "select_fp8_weights"]
 

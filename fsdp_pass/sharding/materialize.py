@@ -1,6 +1,6 @@
 """Turn bucket plans into DBuffers and swap each parameter, in place, into a RaggedShard parameter.
 
-Parameter objects keep their identity (:mod:`fsdp_pass.sharding.swap`), so optimizers built
+Parameter objects keep their identity (:mod:`fsdp_pass.tensor.swap`), so optimizers built
 earlier keep working. Shared by ``fully_shard`` and the backend's shard pass.
 
 [Note: FSDP over TP/EP]
@@ -10,7 +10,7 @@ sharded over the mesh dims its placements do not use (:meth:`ParallelMesh.for_pa
 the order is "TP/EP first, then FSDP": the bucket holds local tensors, the rewritten graph
 rebuilds each DTensor around its gathered local view (``DTensor.from_local``), and the model's
 own TP/EP collectives run unchanged. Code that needs "what FSDP shards" of a parameter calls
-:func:`~fsdp_pass.runtime.ragged_tensor.ragged_part`. For checkpoints the piece also records its
+:func:`~fsdp_pass.tensor.ragged_tensor.ragged_part`. For checkpoints the piece also records its
 local block's global offset and the global shape, so DCP writes global boxes. A DTensor built on
 the meta device (torchtitan: TP plan, ``fully_shard(init="skip")``, ``to_empty``, ``init_weights``) is
 rebuilt around its piece in place, so it reports the shard's device and ``to_empty`` keeps it
@@ -30,19 +30,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..runtime.bucket_settings import apply_recorded
-from ..runtime.dbuffer import DBuffer, is_sharded
-from ..runtime.eager import reduce_eager_gradient
-from ..runtime.list_kernels import install_list_kernels_for_sharded_parameters
-from ..runtime.mixed_lists import install_mixed_list_handlers
-from ..runtime.module_apply import install_module_apply
-from ..runtime.wrapper_check import install_wrapper_check
-from ..runtime.sync_check import install_plain_gradient_check
-from ..runtime.mesh import ShardingMesh
-from ..runtime.ragged_tensor import _holds_real_pieces, local_block, ragged_part
+from ..buckets.settings import apply_recorded
+from ..buckets.dbuffer import DBuffer
+from ..tensor.ragged_tensor import is_sharded
+from ..eager.calls import reduce_eager_gradient
+from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
+from ..interop.mixed_lists import install_mixed_list_handlers
+from ..interop.module_apply import install_module_apply
+from ..interop.wrapper_check import install_wrapper_check
+from ..step.sync_check import install_plain_gradient_check
+from ..buckets.mesh import ShardingMesh
+from ..tensor.ragged_tensor import _holds_real_pieces, local_block, ragged_part
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .mesh_roles import ParallelMesh
-from .swap import check_swappable, swap_in_place
+from ..tensor.swap import check_swappable, swap_in_place
 
 __all__ = ["materialize", "shard_parameters"]
 

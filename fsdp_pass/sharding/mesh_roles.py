@@ -1,6 +1,6 @@
 """Roles of a mesh's dims: which ranks each parameter is sharded over (setup time).
 
-A plain 1-D or 2-D mesh gives one :class:`~fsdp_pass.runtime.mesh.ShardingMesh` for every
+A plain 1-D or 2-D mesh gives one :class:`~fsdp_pass.buckets.mesh.ShardingMesh` for every
 parameter. A named mesh that also carries the model's own parallelism (tensor or expert parallel
 DTensor parameters) is a :class:`ParallelMesh`: each parameter is sharded over the mesh dims its
 DTensor placements do not use (its "FSDP dims"), so the order is "TP/EP first, then FSDP"
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from ..runtime.mesh import ShardingMesh
+from ..buckets.mesh import ShardingMesh
 
 __all__ = ["ParallelMesh", "check_rank_in_mesh", "model_mesh_dims", "resolve_mesh"]
 

@@ -36,7 +36,7 @@ Where the replay cannot know the real order, ``fully_shard`` warns and names the
   gives other values.
 
 A parameter no init reaches is left for a checkpoint ([Note: uninitialized shards] in
-:mod:`fsdp_pass.runtime.uninitialized`). A root ``init_weights`` that initializes submodules
+:mod:`fsdp_pass.buckets.uninitialized`). A root ``init_weights`` that initializes submodules
 is not called: it needs every full tensor at once.
 
 Buffers are allocated (floating ones filled with NaN) and initialized by the same calls, first on
@@ -44,7 +44,7 @@ their own, before anything is sharded, under a forked RNG. A non-persistent buff
 ``inv_freq``, torchtitan's rope cache) that no replayed init computes cannot come from a checkpoint
 either: it stays on the meta device for the user's ``model.to_empty(device=...)`` and the model's
 own init (FSDP2's flow), and a forward before that raises naming it ([Note: buffers left on the
-meta device] in :mod:`fsdp_pass.runtime.uninitialized`). With ``fully_shard(..., init="skip")``
+meta device] in :mod:`fsdp_pass.buckets.uninitialized`). With ``fully_shard(..., init="skip")``
 nothing is replayed: every parameter waits as NaN and every buffer on meta for that flow.
 """
 
@@ -62,9 +62,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.dbuffer import bucket_of
-from ..runtime.ragged_tensor import local_block
-from ..runtime.uninitialized import mark_initialized, mark_pending
+from ..tensor.ragged_tensor import bucket_of
+from ..tensor.ragged_tensor import local_block
+from ..buckets.uninitialized import mark_initialized, mark_pending
 
 __all__ = ["MetaInit"]
 

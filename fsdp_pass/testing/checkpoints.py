@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..state_dict import whole_tensor
+from ..interop.state_dict import whole_tensor
 
 __all__ = ["load_and_compare", "whole_state"]
 

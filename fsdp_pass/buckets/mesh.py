@@ -1,0 +1,101 @@
+"""The ranks one bucket is sharded over (and, for HSDP, replicated over): what its collectives use.
+
+Which mesh a parameter gets (roles of a named mesh's dims, the TP/EP rules) is setup-time policy
+and lives in :mod:`fsdp_pass.sharding.mesh_roles`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ShardingMesh", "check_mesh_is_current"]
+
+
+@dataclass(frozen=True)
+class ShardingMesh:
+    """A DeviceMesh (or None for one process) plus the mesh dim parameters are sharded over.
+
+    On a 1-D mesh every rank shards. On a 2-D mesh ``(replicate, shard)`` (HSDP) parameters are
+    sharded over ``shard_dim`` and replicated over the other dim: gradients reduce-scatter over the
+    shard dim, then all-reduce over the replicate dim.
+    """
+
+    mesh: DeviceMesh | None
+    shard_dim: int = 0
+    grad_divisor: int | None = None  # see ``divisor``
+    copies: int = 1  # ranks of the bucket whose gradients are copies of one another's (see ``divisor``)
+
+    @property
+    def divisor(self) -> int:
+        """Gradients are summed over the bucket's ranks and divided by this: the data-parallel degree.
+
+        Default: every rank of the bucket holds a different part of the batch. Under tensor
+        parallelism a parameter replicated over the TP ranks is sharded over them too, but their
+        gradients are copies, so the divisor counts them once more
+        (:meth:`~fsdp_pass.sharding.mesh_roles.ParallelMesh.for_parameter`). That count is ``copies``:
+        a gradient divide factor set by the user counts the data-parallel ranks only and is multiplied by it.
+        """
+        return self.grad_divisor or self.shard_size * self.replicate_size
+
+    def for_parameter(self, name: str, p: torch.Tensor) -> "ShardingMesh":
+        """The mesh parameter ``name`` is sharded over: this one, for plain parameters."""
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is a DTensor on mesh {p.device_mesh} with placements {p.placements}; "
+                f"pass the whole mesh with named dims as options['mesh'] (fully_shard's mesh) and name the "
+                f"FSDP dim(s) with shard_dim, e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp')) "
+                f"and shard_dim='dp'"
+            )
+        return self
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def replicate_dim(self) -> int | None:
+        if self.mesh is None or self.mesh.ndim == 1:
+            return None
+        return 1 - self.shard_dim
+
+    @property
+    def replicate_size(self) -> int:
+        dim = self.replicate_dim
+        return 1 if dim is None else self.mesh.size(dim)
+
+    def data_parallel_groups(self) -> list:
+        """The process groups a bucket's gradients are summed over: its shard dim, then its HSDP replicas."""
+        groups = []
+        if self.shard_size > 1:
+            groups.append(self.mesh.get_group(self.shard_dim))
+        if self.replicate_dim is not None and self.replicate_size > 1:
+            groups.append(self.mesh.get_group(self.replicate_dim))
+        return groups
+
+    def group_name(self, dim: int) -> str:
+        return self.mesh.get_group(dim).group_name
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.mesh is None else self.mesh.device_type
+
+
+def check_mesh_is_current(buf) -> None:
+    """[Note: wrappers around a sharded model] in interop/wrapper_check.py: raise if ``buf`` was sharded without a process group but one with several ranks exists now."""
+    if buf.mesh.mesh is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"parameter {buf.names[0]!r} was sharded over a single process (no process group existed when "
+            f"fully_shard ran), but this run has {dist.get_world_size()} ranks: the ranks would train without "
+            f"gradient sync. Call torch.distributed.init_process_group (or create the framework's Accelerator / "
+            f"TrainingArguments) before fully_shard, or leave sharding to torch.compile(model, backend='vescale'), "
+            f"which shards at the first call (see docs/integrations.md)"
+        )

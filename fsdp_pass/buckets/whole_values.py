@@ -1,0 +1,66 @@
+"""A bucket's whole parameters for eager calls: gathered once per shard version, few buckets kept.
+
+What dispatch runs an eager op on ([Note: eager calls on sharded parameters] in eager/calls.py): the
+bucket's views of one eager all-gather (in the compiled graphs' ``param_dtype``). The gathered views
+are kept on the bucket (:attr:`DBuffer.whole_views`) with the shard's version counter when gathered,
+so an optimizer step or any in-place write to a piece makes them stale; only the
+:data:`KEPT_BUCKETS` most recently used buckets keep theirs (a module's parameters share one
+gather, and an eager forward holds the shards plus one gathered bucket, like FSDP2's reshard after
+forward).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+import torch
+
+from .mesh import check_mesh_is_current
+from .uninitialized import check_gathered
+
+__all__ = ["KEPT_BUCKETS", "drop_gathered", "whole_views"]
+
+KEPT_BUCKETS = 1  # buckets whose eager gather is kept for the next ops
+_kept: deque[weakref.ref] = deque()  # buckets holding eager views, least recently used first
+
+
+def whole_views(buf) -> dict[str, torch.Tensor]:
+    """Every parameter of ``buf`` (a DBuffer) as a view of its eagerly gathered global buffer."""
+    version = buf.shard._version
+    if buf.whole_views is not None and buf.whole_views[0] == version:
+        _touch(buf)
+        return buf.whole_views[1]
+    check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
+    _forget(buf)
+    while len(_kept) >= KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
+        _drop(_kept.popleft())
+    views = buf.views(buf.all_gather(buf.compute_dtype))
+    check_gathered(buf, views)  # [Note: uninitialized shards]
+    buf.whole_views = (version, views)
+    _kept.append(weakref.ref(buf))
+    return views
+
+
+def drop_gathered() -> None:
+    """Free the gathered buckets kept for eager calls (they are also dropped as newer ones come)."""
+    while _kept:
+        _drop(_kept.popleft())
+
+
+def _drop(ref: weakref.ref) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.whole_views = None
+
+
+def _forget(buf) -> None:
+    buf.whole_views = None
+    for ref in [r for r in _kept if r() is buf or r() is None]:
+        _kept.remove(ref)
+
+
+def _touch(buf) -> None:
+    for ref in [r for r in _kept if r() is buf]:
+        _kept.remove(ref)
+        _kept.append(ref)

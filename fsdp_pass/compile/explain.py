@@ -1,0 +1,84 @@
+"""``explain(model)``: the plan and the graphs of a model compiled with the vescale backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .backend import records
+from ..buckets.dbuffer import DBuffer, buffers_of
+
+__all__ = ["Explanation", "explain"]
+
+
+@dataclass
+class Explanation:
+    """The buckets of a sharded model and the graphs the backend produced for it."""
+
+    buffers: list[DBuffer]
+    graphs: list[dict[str, str]] = field(default_factory=list)  # one dict per compiled graph: stage → code
+
+    def bytes_per_rank(self) -> dict[str, int]:
+        """Parameter and gradient bytes each rank holds (padding included)."""
+        params = sum(b.layout.shard_size * b.dtype.itemsize for b in self.buffers)
+        grads = sum(b.layout.shard_size * b.dtype.itemsize for b in self.buffers if b.shard.requires_grad)
+        return {"params": params, "grads": grads}
+
+    def plan_text(self) -> str:
+        lines = []
+        for b in self.buffers:
+            m = b.mesh
+            lines.append(
+                f"bucket {b.index}: {len(b.names)} params, dtype {b.dtype}, S={b.layout.shard_size} x "
+                f"{m.shard_size} ranks (replicated x{m.replicate_size}), padding {b.layout.padding} "
+                f"({b.layout.padding / max(b.layout.global_size, 1):.2%})"
+                + (f", FP8 all-gather (tile {b.fp8_tile})" if b.fp8_tile else "")
+            )
+            for name in b.names:
+                lo, hi = b.layout.global_range(name)
+                placement = str(b.placement(name))
+                spec = b.dtensor_specs.get(name)
+                if spec is not None:  # [Note: FSDP over TP/EP]: TP/EP first, then FSDP on the local tensor
+                    dims = ", ".join(f"{pl} over {d}" for pl, d in zip(spec.placements, spec.mesh.mesh_dim_names))
+                    placement = f"{dims} of {tuple(spec.shape)}, then {placement}"
+                lines.append(f"    {name:40s} {tuple(b.shapes[name])!s:18s} [{lo}, {hi})  {placement}")
+        for b in self.buffers:  # [Note: FP8 all-gather]: candidates kept in param_dtype
+            for name, why in b.fp8_skipped.items():
+                lines.append(f"fp8_all_gather left out: {name} ({why})")
+        for b in self.buffers:  # [Note: gradients written into the bucket]
+            for name, why in b.gradient_copies.items():
+                lines.append(f"gradient copied into bucket {b.index}: {name}: {why}")
+        per_rank = self.bytes_per_rank()
+        lines.append(f"per rank: parameters {per_rank['params']} B, gradients {per_rank['grads']} B")
+        lines.append(
+            f"collectives per step: forward all_gather x{len(self.buffers)}, backward reduce_scatter "
+            f"x{sum(b.shard.requires_grad for b in self.buffers)} (plus backward all_gathers when resharding)"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [self.plan_text()]
+        for i, graphs in enumerate(self.graphs):
+            for stage, code in graphs.items():
+                parts.append(f"===== graph {i}: {stage} =====\n{code}")
+        return "\n".join(parts)
+
+
+def explain(model: nn.Module, print_output: bool = True) -> Explanation:
+    """Describe the plan (buckets, offsets, placements, padding, bytes per rank, collectives) and graphs."""
+    module = getattr(model, "_orig_mod", model)
+    buffers = buffers_of(module)
+    if not buffers:
+        raise ValueError(
+            "explain() found no sharded parameters; compile the model with torch.compile(model, "
+            "backend='vescale') and run it once (or call fsdp_pass.fully_shard) first"
+        )
+    ids = {id(b) for b in buffers}
+    graphs = [r.graphs for r in records() if any(id(b) in ids for b in r.buffers)]
+    result = Explanation(sorted(buffers, key=lambda b: b.index), graphs)
+    if print_output:
+        print(result)
+    return result
+
+

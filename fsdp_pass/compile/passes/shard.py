@@ -1,0 +1,59 @@
+"""Pass 2: give every parameter of the graph a bucket, sharding the ones not sharded yet.
+
+The user's mesh gets its roles (:mod:`fsdp_pass.sharding.mesh_roles`), every parameter its block
+(:mod:`fsdp_pass.sharding.blocks`, with the rows the graph asks for), then parameters not sharded yet are
+planned into buckets (first-use order, grouped by module unit; :mod:`fsdp_pass.sharding.buckets`)
+and swapped in place into RaggedShard parameters (:mod:`fsdp_pass.sharding.materialize`).
+Parameters already sharded (an earlier graph, a recompile, a graph break, ``fully_shard``) keep
+their layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...sharding.blocks import block_size
+from ...options import Options
+from ...buckets.dbuffer import DBuffer, is_unsharded
+from ...tensor.ragged_tensor import bucket_of
+from ...buckets.mesh import check_mesh_is_current
+from ...sharding.buckets import ShardingConfig
+from ...sharding.fp8_select import lcm_blocks, plan_fp8
+from ...sharding.materialize import shard_parameters
+from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
+from .detect import ParamSite, graph_block_rows
+
+__all__ = ["Sharded", "shard_sites"]
+
+
+@dataclass
+class Sharded:
+    """What pass 2 gives the rewrite pass."""
+
+    buckets: dict[str, tuple[DBuffer, str]]  # every site's FQN → (its DBuffer, its name in that buffer)
+    new: list[DBuffer]  # the DBuffers this call made (parameters sharded now)
+
+
+def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
+    """Pass 2 with the backend's options (``fp8_all_gather``: [Note: FP8 all-gather] in buckets/gather.py)."""
+    inside_unshard = [s.name for s in sites if is_unsharded(s.param)]
+    if inside_unshard:
+        raise RuntimeError(
+            f"the compiled model was called inside fsdp_pass.unshard (parameter {inside_unshard[0]!r} holds its whole "
+            f"value there); call the original module eagerly inside the block, or leave the block first"
+        )
+    named = [(s.name, s.param) for s in sites]
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
+    blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
+    fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
+    new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
+    fp8.record_left_out(named)
+    buckets = {s.name: bucket_of(s.param) for s in sites}
+    for buf, _ in buckets.values():
+        check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
+    if opts.gradient_divide_factor is not None:
+        for buf, _ in buckets.values():
+            buf.gradient_divide_factor = float(opts.gradient_divide_factor)
+    return Sharded(buckets, new)

@@ -1,0 +1,71 @@
+"""Sharded parameters used outside a compiled graph: whole values on demand, gradients into the shards.
+
+[Note: eager calls on sharded parameters]
+A compiled graph gathers each bucket once and reduce-scatters its gradient (compile/passes/rewrite.py). Code
+that runs eagerly on a sharded module (Hugging Face ``generate``, an eval loop without
+``torch.compile``, a submodule called from a callback, the eager embedding and head of a model whose
+blocks are compiled one by one) reaches ``RaggedShardTensor.__torch_dispatch__`` with parameters
+whose pieces cannot answer a matmul or a broadcast. For those ops:
+
+* forward: dispatch (tensor/dispatch.py) runs the op on the parameters' whole values. The bucket
+  (``DBuffer.whole_parameter``, buckets/whole_values.py) all-gathers itself (in the compiled graphs' ``mp_policy`` param_dtype, so an eager head on a
+  compiled body's output computes in the same dtype) and keeps the last gathered bucket, keyed by
+  the shard's version counter (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
+  a module unit cost one all-gather, and an eager forward holds the shards plus one gathered bucket
+  (two while the next is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd
+  records the op with the sharded parameter as its input and saves that (a piece), not the
+  gathered copy, and backward gathers again where its formulas need the weight.
+* backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
+  (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
+  ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds
+  this rank's piece into the bucket's gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
+  correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
+  once per bucket).
+
+A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
+torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the
+bucket too, whose whole value is the parameter's local block; the hook on the parameter gets a
+DTensor gradient, takes its block in the parameter's placements, and returns the piece as a DTensor.
+
+Eager calls are collective, like every FSDP forward: every rank of the bucket's mesh must make them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..tensor import collectives
+from ..buckets.dbuffer import DBuffer
+from ..tensor.ragged_tensor import RaggedShardTensor
+
+__all__ = ["reduce_eager_gradient"]
+
+@torch.no_grad()
+def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+    """Tensor hook of a sharded parameter (see [Note: eager calls on sharded parameters]).
+
+    Sums the whole-tensor ``grad`` over the bucket's ranks, divides by the data-parallel degree and
+    returns this rank's piece as a RaggedShard gradient, after pointing ``.grad`` at the bucket's
+    gradient shard: autograd then adds the returned piece into that view in place.
+    """
+    buf: DBuffer | None = ref()
+    if buf is None:
+        return None
+    if isinstance(grad, RaggedShardTensor):  # cannot happen from model code: seeds and formulas are whole tensors
+        raise RuntimeError(
+            f"the eager gradient of parameter {name!r} (shape {tuple(grad.shape)}) arrived as a RaggedShard piece, "
+            f"which holds only this rank's part of this rank's gradient; compute the loss with "
+            f'torch.compile(model, backend="vescale") instead'
+        )
+    spec = buf.dtensor_specs.get(name)
+    if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
+        grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
+    whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
+    for group in buf.mesh.data_parallel_groups():
+        collectives.all_reduce_(whole, group)
+    a, b = buf.layout.local_range(name, buf.rank)
+    piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
+    buf.attach_grads(buf.gradient_buffer(create=True))
+    return buf.wrap(name, piece)

@@ -1,0 +1,94 @@
+"""``fully_shard``: shard a module's parameters eagerly, before (or instead of) the first compile."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .blocks import block_size
+from ..options import Fp8Options
+from .buckets import ShardingConfig, check_one_device
+from .fp8_select import lcm_blocks, plan_fp8
+from .materialize import shard_parameters
+from .meta_init import MetaInit
+from .mesh_roles import model_mesh_dims, resolve_mesh
+from ..buckets.uninitialized import check_meta_buffers_before_forward
+
+__all__ = ["fully_shard"]
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    shard_dim: int | str | tuple[str, ...] | None = None,
+    replicate_dim: int | str | None = None,
+    bucket_size: int | None = None,
+    min_bucket_bytes: int | None = None,
+    block_sizes: Mapping[str, Any] | None = None,
+    align_bytes: int = 16,
+    fp8_all_gather: bool | Mapping[str, Any] | None = None,
+    init: str = "replay",
+) -> nn.Module:
+    """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
+
+    Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
+    elements). Parameter objects keep their identity, so optimizers built earlier keep working;
+    buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
+    Calling it again is a no-op.
+
+    A model built under ``torch.device("meta")`` gets only its local shards allocated, and its
+    buffers on the mesh's device. Parameters are initialized by the model's own init, one module
+    at a time, in the order a real-device build would run it (bit-equal when seeded; see [Note:
+    meta-device init order] in :mod:`fsdp_pass.sharding.meta_init`): ``reset_parameters()``,
+    a no-argument ``init_weights()``, and Hugging Face ``_init_weights``. Parameters no init
+    reaches are left for a checkpoint (``dcp.load``, ``set_full_state_dict``); using one before
+    that raises an error naming it ([Note: uninitialized shards]). Non-persistent buffers no init
+    computes stay on the meta device for FSDP2's flow, ``model.to_empty(device=...)`` and the
+    model's own init (``init_weights()``), which sharded parameters support: in-place random inits
+    draw what one process draws ([Note: buffers left on the meta device]).
+
+    Args:
+        module: the model.
+        mesh: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) DeviceMesh; default all ranks.
+        shard_dim: the sharding dim of a 2-D mesh (default: the last); on a named mesh with
+            tensor/expert-parallel DTensor parameters, the data-parallel dim name(s).
+        replicate_dim: the HSDP dim of a named mesh.
+        bucket_size: most elements in one bucket.
+        min_bucket_bytes: neighbouring units are grouped into buckets of at least this many bytes
+            (default: the cost model; 0: one bucket per unit).
+        block_sizes: ``{fnmatch pattern: rows}`` or ``{pattern: {"elements": n}}`` blocks never cut.
+        align_bytes: alignment of tensor starts and shard sizes.
+        fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}``: the layer
+            weights get tile-row blocks and buckets of their own, which the compiled graph gathers as
+            FP8 codes and block scales (see ``docs/fp8.md``).
+        init: for a meta-device model, ``"replay"`` (default) runs the model's own init into the
+            shards as above; ``"skip"`` runs nothing, leaving every parameter and buffer to
+            ``to_empty`` + the model's init (or a checkpoint).
+    """
+    if init not in ("replay", "skip"):
+        raise ValueError(f"fully_shard's init must be 'replay' or 'skip', got {init!r}")
+    named = list(module.named_parameters(remove_duplicate=True))
+    sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
+                                 model_dims=model_mesh_dims(named))
+    blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    fp8 = plan_fp8(named, Fp8Options.parse(fp8_all_gather, "fully_shard's fp8_all_gather"), "fully_shard's fp8_all_gather")
+    check_one_device(named)
+    meta_ids = {id(p) for _, p in named if p.is_meta}
+    meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
+    meta.prepare_buffers()
+    try:
+        shard_parameters(named, sharding_mesh,
+                         ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes),
+                         lcm_blocks(blocks, fp8.blocks), fp8.tiles)
+    except BaseException:
+        meta.restore_buffers()
+        raise
+    fp8.record_left_out(named)
+    meta.run()
+    if meta.left_on_meta:
+        check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)
+    return module
