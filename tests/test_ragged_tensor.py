@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.placement import RaggedShard
-from fsdp_pass.runtime import RaggedShardTensor, RaggedSpec, distribute_tensor
+from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor, RaggedSpec, distribute_tensor
 
 # (shape, block): odd sizes, a 1-D tensor, a 3-D tensor whose blocks are whole matrices.
 TENSORS = [((7, 5), 5), ((13,), 1), ((3, 4, 5), 20), ((6, 8), 16), ((2, 3), 1)]
