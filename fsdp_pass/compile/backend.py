@@ -11,10 +11,26 @@ parameters and no recompile follows. The compiled function takes the buckets' sh
 parameters; the shards are autograd leaves whose gradients (reduce-scattered in the graph) become the
 parameters' RaggedShard ``.grad`` views.
 
-Gradient accumulation without sync ([Note: gradient accumulation without sync], buckets/dbuffer.py)
-uses a second variant of the same rewritten graph, compiled by the returned function the first time a
-bucket accumulates (never through Dynamo again): switching between syncing and accumulating picks
-one of the two compiled functions at call time.
+Which graph runs for a call: the rewritten graph compiles into up to four variants, one table keyed
+by :class:`VariantKey`. Each call computes its key and runs that variant; each variant is the
+rewritten graph with the transforms of compile/passes/rewrite.py its key names, applied in sequence::
+
+    field       its value for this call                                  graph transform
+    unreduced   every trainable bucket, while one of them accumulates    hand_out_gradients: their
+                (grad enabled) [Note: gradient accumulation without      gradients go to ``bucketN_pending``
+                sync] (buckets/dbuffer.py); else, with                   inputs (pending_input, or the
+                ``overlap_last_reduce``, the trainable bucket gathered   deferred reduce's deferred_input)
+                first [Note: the last reduce-scatter overlaps the        instead of a reduce-scatter
+                optimizer step] (step/deferred_reduce.py); else none
+    prefetched  ``prefetch_next_step``, and the gathers the last         take_prefetched: the graph's first
+                optimizer step issued for the graph's first buckets      buckets' ``gather_bucket`` take
+                are good to take [Note: the next step's first gather     the handed-over buffers
+                starts at the optimizer step] (step/prefetch.py)
+
+A plain call's variant (no bucket accumulating, nothing prefetched) compiles inside Dynamo's call;
+the others compile the first time a call needs them (never through Dynamo again), so switching
+between them is one lookup. ``explain()`` files each variant's stages under its name: ``forward``,
+``forward (accumulate)``, ``forward (prefetched)``, ``forward (accumulate, prefetched)``.
 """
 
 from __future__ import annotations
@@ -22,7 +38,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -31,7 +47,7 @@ from torch._dynamo import register_backend
 from .. import log
 from ..options import Options
 from .passes.pipeline import compile_scheduled, run_passes
-from .passes.rewrite import Rewritten, accumulating_variant, copy_dynamo_graph, prefetching_variant
+from .passes.rewrite import Rewritten, copy_dynamo_graph, hand_out_gradients, take_prefetched
 from ..step import deferred_reduce, prefetch as step_prefetch
 from ..tensor import in_flight
 from ..buckets import uninitialized
@@ -39,7 +55,7 @@ from ..buckets.dbuffer import DBuffer, pending_leaf
 from ..buckets.gather import gather_bucket, hand_over
 from .rebind import ShardBinding
 
-__all__ = ["CompiledGraph", "records", "vescale"]
+__all__ = ["CompiledGraph", "VariantKey", "records", "vescale"]
 
 
 @dataclass
@@ -129,33 +145,19 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     record.buffers = rewritten.buffers
     record.graph("rewritten", rewritten.gm)
 
-    fake_mode = torch._guards.TracingContext.get().fake_mode
     dropped = set(rewritten.dropped)
-    shard_fakes = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
     rest = [x for i, x in enumerate(example_inputs) if i not in dropped]
-    fakes = lambda tensors: [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]  # noqa: E731
-    accumulating_gm, accumulating_configs = accumulating_variant(rewritten)
-    accumulating_inputs = shard_fakes + fakes(pending_leaf(rewritten.buffers[i], c)
-                                              for i, c in accumulating_configs.items()) + rest
-    accumulating = _LazyVariant(accumulating_gm, opts, _Suffixed(record, " (accumulate)"), fake_mode, rewritten.buffers,
-                                accumulating_inputs)
+    configs = rewritten.configs
     gathered_first = _gathered_buckets(rewritten)
+    trainable = frozenset(i for i, b in enumerate(rewritten.buffers) if b.shard.requires_grad)
     deferred = _deferred_bucket(rewritten, gathered_first) if opts.overlap_last_reduce else None
-    main_gm, main_leaves = rewritten.gm, []
-    if deferred is not None:  # [Note: the last reduce-scatter overlaps the optimizer step]
-        main_gm, deferred_configs = accumulating_variant(rewritten, only={deferred})
-        deferred_config = deferred_configs[deferred]
-        main_leaves = fakes([pending_leaf(rewritten.buffers[deferred], deferred_config)])
-    compiled = compile_scheduled(main_gm, shard_fakes + main_leaves + rest, opts, record, rewritten.buffers)
-    prefetched = accumulating_prefetched = None
+    plain = frozenset() if deferred is None else frozenset({deferred})
     taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
-    if taken:  # [Note: the next step's first gather starts at the optimizer step]
-        taken_configs = {i: rewritten.configs[i] for i in taken}
-        prefetched = _LazyVariant(prefetching_variant(main_gm, taken), opts, _Suffixed(record, " (prefetched)"),
-                                  fake_mode, rewritten.buffers, shard_fakes + main_leaves + rest, taken_configs)
-        accumulating_prefetched = _LazyVariant(prefetching_variant(accumulating_gm, taken), opts,
-                                               _Suffixed(record, " (accumulate, prefetched)"), fake_mode,
-                                               rewritten.buffers, accumulating_inputs, taken_configs)
+    variants = _Variants(rewritten, opts, record, torch._guards.TracingContext.get().fake_mode, rest, trainable, taken)
+    # Inside Dynamo's call: what this compile adds to the shape environment is in the guards Dynamo
+    # builds once the backend returns.
+    variants.compile_in_dynamo(VariantKey(plain, prefetched=False), rest)
+    if taken:
         step_prefetch.enable()
     _remember(record)
 
@@ -174,24 +176,22 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         _check_divide_factors(buffers, rewritten.configs)
         shards = [b.shard for b in buffers]
         rest_args = [a for i, a in enumerate(args) if i not in dropped]
-        trainable = [(buffers[i], config) for i, config in accumulating_configs.items()]
-        if trainable and torch.is_grad_enabled() and any(b.accumulating for b, _ in trainable):
-            pending = [b.pending_input(config) for b, config in trainable]
-            if taken and _take_prefetched(buffers):
-                return accumulating_prefetched.compiled()(*shards, *pending, *rest_args)
+        if trainable and torch.is_grad_enabled() and any(buffers[i].accumulating for i in trainable):
+            unreduced = trainable
+            leaves = [buffers[i].pending_input(configs[i]) for i in sorted(trainable)]
+        else:
+            unreduced = plain
+            leaves = [deferred_reduce.deferred_input(buffers[i], configs[i]) for i in plain]
+        prefetched = bool(taken) and _take_prefetched(buffers)
+        if not prefetched:
             step_prefetch.discard(buffers)
-            return accumulating.compiled()(*shards, *pending, *rest_args)
-        leaves = [] if deferred is None else [deferred_reduce.deferred_input(buffers[deferred], deferred_config)]
-        if taken and _take_prefetched(buffers):
-            return prefetched.compiled()(*shards, *leaves, *rest_args)
-        step_prefetch.discard(buffers)
-        return compiled(*shards, *leaves, *rest_args)
+        return variants[VariantKey(unreduced, prefetched)](*shards, *leaves, *rest_args)
 
     def _take_prefetched(buffers: list[DBuffer]) -> bool:
         """Name this call's first buckets for the next step, and hand the graph the gathers the last step
         issued for them, if they are good to take ([Note: the next step's first gather starts at the
         optimizer step])."""
-        targets = [step_prefetch.Target(buffers[i], rewritten.configs[i]) for i in taken]
+        targets = [step_prefetch.Target(buffers[i], configs[i]) for i in taken]
         step_prefetch.note_first(targets)
         gathered = step_prefetch.take(targets)
         if gathered is None:
@@ -247,27 +247,57 @@ def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:
             )
 
 
-class _LazyVariant:
-    """A graph variant compiled on first use (never through Dynamo): the accumulating one ([Note:
-    gradient accumulation without sync]) or the prefetched one ([Note: the next step's first gather
-    starts at the optimizer step]). It compiles under a fresh tracing context on Dynamo's fake mode,
-    with the fakes Dynamo's own compile used, so it sees the same (possibly symbolic) shapes."""
+class VariantKey(NamedTuple):
+    """What tells one compiled variant of a graph from another (the table in the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, opts: Options, sink: "_Suffixed", fake_mode, buffers: list[DBuffer],
-                 inputs: list, taken: dict | None = None):
-        self.gm, self._opts, self._sink, self._fake_mode, self._buffers = gm, opts, sink, fake_mode, buffers
-        self._taken = taken  # slot → gather arguments of the buckets it takes gathered (compile_scheduled's ``taken``)
-        self._inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
-                        isinstance(x, torch._subclasses.FakeTensor) else x for x in inputs]
-        self._compiled: Callable | None = None
+    unreduced: frozenset[int]  # buckets (positions in the rewritten buffers) whose gradient is handed out unreduced
+    prefetched: bool  # the first buckets are taken from the gathers the last optimizer step issued
 
-    def compiled(self) -> Callable:
-        if self._compiled is None:
+
+class _Variants:
+    """The compiled variants of one rewritten graph, by :class:`VariantKey`: each one is the rewritten
+    graph with the transforms its key names, compiled the first time a call needs it."""
+
+    def __init__(self, rewritten: Rewritten, opts: Options, record: CompiledGraph, fake_mode, rest: list,
+                 trainable: frozenset[int], taken: list[int]):
+        self._rewritten, self._opts, self._record, self._fake_mode = rewritten, opts, record, fake_mode
+        self._trainable, self._taken = trainable, taken
+        self._shards = [fake_mode.from_tensor(b.shard, static_shapes=True) for b in rewritten.buffers]
+        # Fakes of Dynamo's other inputs, made now: a later compile sees the (possibly symbolic) shapes
+        # Dynamo's own compile saw, and keeps no real input alive.
+        self._rest = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not
+                      isinstance(x, torch._subclasses.FakeTensor) else x for x in rest]
+        self._compiled: dict[VariantKey, Callable] = {}
+
+    def compile_in_dynamo(self, key: VariantKey, rest: list) -> None:
+        """Compile ``key``'s variant now, inside Dynamo's backend call, with Dynamo's own inputs ``rest``."""
+        self._compiled[key] = self._compile(key, rest)
+
+    def __getitem__(self, key: VariantKey) -> Callable:
+        compiled = self._compiled.get(key)
+        if compiled is None:  # never through Dynamo: under a fresh tracing context on its fake mode
             with torch._guards.tracing(torch._guards.TracingContext(self._fake_mode)):
-                self._compiled = compile_scheduled(self.gm, self._inputs, self._opts, self._sink, self._buffers,
-                                                   self._taken)
-            self._inputs = []
-        return self._compiled
+                compiled = self._compiled[key] = self._compile(key, self._rest)
+        return compiled
+
+    def _compile(self, key: VariantKey, rest: list) -> Callable:
+        rewritten = self._rewritten
+        if key.unreduced:
+            rewritten = hand_out_gradients(rewritten, key.unreduced)
+        if key.prefetched:
+            rewritten = take_prefetched(rewritten, self._taken)
+        leaves = [self._fake_mode.from_tensor(pending_leaf(rewritten.buffers[i], rewritten.configs[i]),
+                                              static_shapes=True) for i in sorted(key.unreduced)]
+        # slot → gather arguments of the buckets taken gathered, which backward gathers again
+        taken = {i: rewritten.configs[i] for i in self._taken} if key.prefetched else None
+        return compile_scheduled(rewritten.gm, self._shards + leaves + rest, self._opts,
+                                 _Suffixed(self._record, self._suffix(key)), rewritten.buffers, taken)
+
+    def _suffix(self, key: VariantKey) -> str:
+        """What ``explain()`` adds to the variant's stage names: what it does beside a plain call's graph."""
+        accumulating = bool(key.unreduced) and key.unreduced == self._trainable
+        does = [word for word, yes in (("accumulate", accumulating), ("prefetched", key.prefetched)) if yes]
+        return f" ({', '.join(does)})" if does else ""
 
 
 class _Suffixed:

@@ -9,18 +9,20 @@ first use of any of its parameters::
 views are zero-copy because every parameter is a contiguous slice of the gathered buffer. The
 parameter placeholders are removed: the compiled function takes the shards instead.
 
-:func:`accumulating_variant` makes the copy that gradient accumulation without sync runs
-([Note: gradient accumulation without sync] in buckets/dbuffer.py): one more placeholder per
-trainable bucket, ``bucketN_pending``, passed to its ``gather_bucket`` as ``pending=``.
-:func:`prefetching_variant` makes the copy that takes some buckets already gathered, handed over to
-the call ([Note: the next step's first gather starts at the optimizer step] in step/prefetch.py).
+The backend's compiled variants (compile/backend.py) are the rewritten graph with these transforms
+applied in sequence, each on a copy: :func:`hand_out_gradients` gives some trainable buckets one more
+placeholder, ``bucketN_pending``, passed to their ``gather_bucket`` as ``pending=`` (gradient
+accumulation without sync, [Note: gradient accumulation without sync] in buckets/dbuffer.py, and the
+deferred reduce, step/deferred_reduce.py); :func:`take_prefetched` makes some buckets' gathers take
+the buffer handed over to the call ([Note: the next step's first gather starts at the optimizer
+step] in step/prefetch.py).
 """
 
 from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Mapping, Sequence
 
 import torch
@@ -32,7 +34,7 @@ from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig, gather_bucket
 from .detect import ParamSite
 
-__all__ = ["Rewritten", "accumulating_variant", "copy_dynamo_graph", "prefetching_variant", "rewrite_parameters"]
+__all__ = ["Rewritten", "copy_dynamo_graph", "hand_out_gradients", "rewrite_parameters", "take_prefetched"]
 
 
 @dataclass
@@ -122,54 +124,47 @@ def rewrite_parameters(
     return Rewritten(gm, new_inputs, configs, [s.index for s in sites])
 
 
-
-def accumulating_variant(rewritten: Rewritten, only: Collection[int] | None = None
-                         ) -> tuple[fx.GraphModule, dict[int, GatherConfig]]:
-    """A copy of the rewritten graph whose trainable buckets (those at positions ``only`` in
-    ``rewritten.buffers``, if given) hand their gradient out unreduced.
+def hand_out_gradients(rewritten: Rewritten, buckets: Collection[int]) -> Rewritten:
+    """``rewritten`` with a copy of its graph whose ``gather_bucket`` for each of ``buckets`` (trainable;
+    positions in ``rewritten.buffers``) hands its gradient out unreduced instead of reduce-scattering it.
 
     See [Note: gradient accumulation without sync] (all trainable buckets) and [Note: the last
     reduce-scatter overlaps the optimizer step] (one). The copy takes, after the bucket shards, one
-    ``bucketN_pending`` input per such bucket (returned, in input order: each one's position in
-    ``rewritten.buffers`` → the :class:`GatherConfig` its graph uses), and its ``gather_bucket`` calls
-    hand their gradient to it instead of reduce-scattering it. ``rewritten.gm`` is left as is.
+    ``bucketN_pending`` input per such bucket, in bucket order, passed to its gathers as ``pending=``.
     """
     gm = copy_dynamo_graph(rewritten.gm)
-    shards = list(gm.graph.find_nodes(op="placeholder"))[: len(rewritten.buffers)]
-    after = shards[-1] if shards else None
-    trainable: dict[int, GatherConfig] = {}
-    for i, buf in enumerate(rewritten.buffers):
-        gathers = _gathers_of(shards[i])
-        if not buf.shard.requires_grad or not gathers or (only is not None and i not in only):
-            continue
-        trainable[i] = GatherConfig(**_config_kwargs(gathers[0]))
-        after = _add_bucket_input(gm.graph, after, gathers, f"bucket{i}_pending", "pending")
-    gm.graph.lint()
-    gm.recompile()
-    return gm, trainable
+    shards = _shard_inputs(gm, rewritten)
+    after = shards[-1]
+    for i in sorted(buckets):
+        after = _add_bucket_input(gm.graph, after, _gathers_of(shards[i]), f"bucket{i}_pending", "pending")
+    return _replaced(rewritten, gm)
 
 
-def prefetching_variant(gm: fx.GraphModule, buckets: Sequence[int]) -> fx.GraphModule:
-    """A copy of ``gm`` (a rewritten graph or one of its variants) whose ``gather_bucket`` for each of
-    ``buckets`` (positions among its shard inputs) takes the buffer handed over for it instead of
-    gathering ([Note: the next step's first gather starts at the optimizer step]): ``gathered=`` the
-    bucket's position, the slot :func:`~fsdp_pass.buckets.gather.hand_over` fills."""
-    gm = copy_dynamo_graph(gm)
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+def take_prefetched(rewritten: Rewritten, buckets: Collection[int]) -> Rewritten:
+    """``rewritten`` with a copy of its graph whose ``gather_bucket`` for each of ``buckets`` (positions in
+    ``rewritten.buffers``) takes the buffer handed over for it instead of gathering ([Note: the next
+    step's first gather starts at the optimizer step]): ``gathered=`` the bucket's position, the slot
+    :func:`~fsdp_pass.buckets.gather.hand_over` fills."""
+    gm = copy_dynamo_graph(rewritten.gm)
+    shards = _shard_inputs(gm, rewritten)
     for i in buckets:
-        for gather in _gathers_of(placeholders[i]):
+        for gather in _gathers_of(shards[i]):
             gather.kwargs = {**gather.kwargs, "gathered": i}
+    return _replaced(rewritten, gm)
+
+
+def _shard_inputs(gm: fx.GraphModule, rewritten: Rewritten) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="placeholder"))[: len(rewritten.buffers)]
+
+
+def _replaced(rewritten: Rewritten, gm: fx.GraphModule) -> Rewritten:
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return replace(rewritten, gm=gm)
 
 
 def _gathers_of(shard: fx.Node) -> list[fx.Node]:
     return [u for u in shard.users if u.op == "call_function" and u.target is gather_bucket]
-
-
-def _config_kwargs(gather: fx.Node) -> dict:
-    return {k: v for k, v in gather.kwargs.items() if k in GatherConfig._fields}
 
 
 def _add_bucket_input(graph: fx.Graph, after: fx.Node, gathers: list[fx.Node], name: str, keyword: str) -> fx.Node:
