@@ -57,7 +57,7 @@ from ..tensor import flat_buffers
 from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .whole_values import whole_views
-from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, ragged_part
+from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
 
 __all__ = ["DBuffer", "buffers_of", "is_unsharded", "mark_unsharded", "pending_leaf"]
 
@@ -228,7 +228,7 @@ class DBuffer:
         """A 1-D piece as the parameter sees it: RaggedShard, inside the parameter's DTensor if it has one."""
         ragged = self.ragged(name, local)
         spec = self.dtensor_specs.get(name)
-        return ragged if spec is None else DTensor(ragged, spec, requires_grad=False)
+        return ragged if spec is None else over_pieces(ragged, spec)
 
     def gradient_buffer(self, create: bool = False) -> torch.Tensor | None:
         """The bucket's gradient shard (S elements), ready to accumulate into; see [Note: gradient shard lifetime].

@@ -33,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..tensor import flat_buffers
 from ..tensor.ragged_tensor import bucket_of, is_sharded
-from ..tensor.ragged_tensor import RaggedShardTensor, ragged_part
+from ..tensor.ragged_tensor import RaggedShardTensor, over_pieces, ragged_part
 
 __all__ = ["install_list_kernels_for_sharded_parameters"]
 
@@ -153,4 +153,4 @@ def _moved(value: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     part = ragged_part(value)
     piece.copy_(part._local)
     moved = RaggedShardTensor(piece, part._spec)
-    return DTensor(moved, value._spec, requires_grad=False) if isinstance(value, DTensor) else moved
+    return over_pieces(moved, value._spec) if isinstance(value, DTensor) else moved

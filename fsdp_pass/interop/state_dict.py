@@ -7,30 +7,31 @@ For sharded checkpoints that load at any world size, use DCP (``torch.distribute
 
 [Note: torch's state-dict API on sharded models]
 ``torch.distributed.checkpoint.state_dict`` (what torchtitan's checkpointer, Lightning and
-accelerate call) gathers DTensors only: with ``full_state_dict=True`` a RaggedShard parameter, its
-optimizer states, and the RaggedShard local tensor of a ``Replicate()`` TP parameter would come
-back as this rank's piece, and a framework would save shards as if whole. Importing fsdp_pass
-wraps two torch functions so the API gives and takes whole tensors:
+accelerate call) gathers DTensors only: with ``full_state_dict=True`` a RaggedShard parameter and
+its optimizer states would come back as this rank's piece, and a framework would save shards as if
+whole. Once a model is sharded, the API gives and takes whole tensors:
 
-* ``_gather_state_dict`` (behind ``full_state_dict=True`` of ``get_model_state_dict``,
-  ``get_optimizer_state_dict`` and ``get_state_dict``) first replaces every sharded tensor by its
-  whole value (:func:`whole_tensor`, a collective on every rank), then runs as before (CPU offload,
-  rank-0-only results);
-* ``Optimizer._process_value_according_to_param_policy`` (how ``optimizer.load_state_dict`` casts
-  each state to its parameter) keeps this rank's piece of a whole state of a sharded parameter, in
-  the parameter's layout, as a state made by a step would be. Loading model values needs nothing:
+* ``full_state_dict=True`` of ``get_model_state_dict``, ``get_optimizer_state_dict`` and
+  ``get_state_dict``: torch's gather first replaces every sharded tensor by its whole value
+  (:func:`whole_tensor`, a collective on every rank), then runs as before (CPU offload, rank-0-only
+  results). torch offers no hook there, so this one is a patch (interop/torch_patches.py). TP/EP
+  parameters would need none ([Note: DTensors over RaggedShard local tensors]).
+* ``optimizer.load_state_dict`` of whole states: a load post-hook on the optimizer (registered the
+  first time it steps over a sharded model, or when torch's ``set_optimizer_state_dict`` makes its
+  states) keeps this rank's piece of each whole state of a sharded parameter, in the parameter's
+  layout, as a state made by a step would be. Loading model values needs nothing:
   ``load_state_dict`` copies whole tensors into the pieces (``copy_``).
 
-The backend shards lazily, so a framework may load whole optimizer states (a resumed run) before
-the first compiled call shards their parameters: a global optimizer step pre-hook cuts the whole
-states of newly sharded parameters to their pieces the same way, once per parameter.
+An optimizer that has not stepped yet carries no hook, and the backend shards lazily, so a framework
+may load whole optimizer states (a resumed run) before either: a global optimizer step pre-hook cuts
+the whole states of sharded parameters to their pieces the same way before the step, once per
+parameter.
 
 Without ``full_state_dict`` the API returns the sharded, DCP-saveable form unchanged.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -40,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..tensor.ragged_tensor import RaggedShardTensor, local_block, whole_tensor
+from ..tensor.ragged_tensor import RaggedShardTensor, local_block, over_pieces, whole_tensor
 
 __all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type",
            "whole_tensor"]
@@ -191,7 +192,7 @@ def _piece_of_whole_state(param: torch.Tensor, value: torch.Tensor) -> torch.Ten
         part = param._local_tensor
         start, end = part._spec.local_range
         piece = RaggedShardTensor(block.reshape(-1)[start:end].clone(), part._spec)
-        return DTensor(piece, param._spec, requires_grad=False)
+        return over_pieces(piece, param._spec)
     start, end = param._spec.local_range
     return RaggedShardTensor(value.reshape(-1)[start:end].clone(), param._spec)
 
@@ -200,32 +201,44 @@ _installed = False
 
 
 def install_state_dict_api() -> None:
-    """Wrap torch's state-dict helpers ([Note: torch's state-dict API on sharded models]); once per process."""
+    """The optimizer hooks of [Note: torch's state-dict API on sharded models]; once per process, when
+    a model is sharded. (The gather patch is ``torch_patches.install_full_state_dict_gather``.)"""
     global _installed
-    if _installed:
-        return
-    from torch.distributed.checkpoint import state_dict as torch_state_dict
+    if not _installed:
+        register_optimizer_step_pre_hook(_shard_whole_states)
+        _installed = True
 
+
+_load_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers whose loads cut states
+
+
+def _hook_loads(optimizer: torch.optim.Optimizer) -> None:
+    """Cut whole states of sharded parameters at every later ``load_state_dict`` of ``optimizer``."""
+    if optimizer not in _load_hooked:
+        _load_hooked.add(optimizer)
+        # Before other post-hooks: flattening states into per-bucket buffers expects pieces.
+        optimizer.register_load_state_dict_post_hook(_cut_loaded_states, prepend=True)
+
+
+def _cut_loaded_states(optimizer: torch.optim.Optimizer) -> None:
     from ..tensor.ragged_tensor import is_sharded
 
-    gather = torch_state_dict._gather_state_dict
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and is_sharded(p):
+                optimizer.state[p] = _cut(p, state)
 
-    @functools.wraps(gather)
-    def gather_whole(state_dict, *args, **kwargs):
-        return gather(_whole_values(state_dict), *args, **kwargs)
 
-    torch_state_dict._gather_state_dict = gather_whole
-
-    cast = torch.optim.Optimizer._process_value_according_to_param_policy
-
-    @functools.wraps(cast)
-    def cast_then_shard(param, value, *args, **kwargs):
-        value = cast(param, value, *args, **kwargs)
-        return _piece_of_whole_state(param, value) if is_sharded(param) else value
-
-    torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(cast_then_shard)
-    register_optimizer_step_pre_hook(_shard_whole_states)
-    _installed = True
+def _cut(param: torch.Tensor, value: Any) -> Any:
+    """Every tensor in a loaded state (nested dicts and lists, as torch's load casts them) as its piece."""
+    if isinstance(value, torch.Tensor):
+        return _piece_of_whole_state(param, value)
+    if isinstance(value, dict):
+        return {k: _cut(param, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cut(param, v) for v in value)
+    return value
 
 
 # optimizer → ids of its sharded parameters whose states were looked at since they were sharded
@@ -235,6 +248,7 @@ _states_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = 
 def _shard_whole_states(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     from ..tensor.ragged_tensor import is_sharded
 
+    _hook_loads(optimizer)
     checked = _states_checked.setdefault(optimizer, set())
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -246,6 +260,3 @@ def _shard_whole_states(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and key != "step":
                         state[key] = _piece_of_whole_state(p, value)
-
-
-install_state_dict_api()

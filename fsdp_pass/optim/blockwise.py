@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..placement import RaggedShard
-from ..tensor.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, ragged_part
+from ..tensor.ragged_tensor import RaggedShardTensor, RaggedSpec, local_block, over_pieces, ragged_part
 
 __all__ = [
     "BlockJob",
@@ -173,7 +173,7 @@ def _on_whole_global_tensor(job: BlockJob, compute: BlockCompute) -> Tensor:
     (``full_tensor``), computed on every rank (no second collective to scatter), sliced back."""
     spec, layout = job.param._spec, job.layout
     ragged = RaggedShardTensor.from_local(job.piece, layout.mesh, layout.placement, layout.shape, layout.mesh_dim)
-    whole = DTensor(ragged, spec, requires_grad=False).full_tensor()
+    whole = over_pieces(ragged, spec).full_tensor()
     result = compute(job.param, whole.reshape(-1), None).view(spec.shape)
     start, end = layout.local_range
     return local_block(result, spec).reshape(-1)[start:end]

@@ -36,11 +36,14 @@ from ..tensor.ragged_tensor import is_sharded
 from ..eager.calls import reduce_eager_gradient
 from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
 from ..interop.mixed_lists import install_mixed_list_handlers
+from ..interop.state_dict import install_state_dict_api
+from ..interop.torch_patches import install_full_state_dict_gather
 from ..interop.module_apply import install_module_apply
 from ..interop.wrapper_check import install_wrapper_check
 from ..step.sync_check import install_plain_gradient_check
 from ..buckets.mesh import ShardingMesh
-from ..tensor.ragged_tensor import _holds_real_pieces, local_block, ragged_part
+from ..tensor.ragged_tensor import (RaggedLocalDTensor, _holds_real_pieces, local_block, over_pieces, ragged_part,
+                                     register_for_foreach_defaults)
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .mesh_roles import ParallelMesh
 from ..tensor.swap import check_swappable, swap_in_place
@@ -82,6 +85,9 @@ def shard_parameters(
 
 def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     """Allocate one DBuffer per plan, fill it from the parameters' values and swap the parameters in."""
+    install_state_dict_api()  # [Note: torch's state-dict API on sharded models]
+    install_full_state_dict_gather()
+    register_for_foreach_defaults()
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
     install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
     install_module_apply()  # [Note: Module._apply on sharded parameters]
@@ -201,8 +207,9 @@ def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
         piece = buf.ragged(name, buf.local_piece(name))
         if p.device == piece.device:
             p._local_tensor = piece
+            p.__class__ = RaggedLocalDTensor  # [Note: DTensors over RaggedShard local tensors]
         else:  # built on meta: the wrapper reports its local tensor's device, so it is rebuilt on the shard's
-            rebuilt = nn.Parameter(DTensor(piece, p._spec, requires_grad=False), requires_grad=p.requires_grad)
+            rebuilt = nn.Parameter(over_pieces(piece, p._spec), requires_grad=p.requires_grad)
             rebuilt.__dict__.update((k, v) for k, v in p.__dict__.items() if k not in rebuilt.__dict__)
             swap_in_place(p, rebuilt)
     else:

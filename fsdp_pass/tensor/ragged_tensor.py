@@ -6,8 +6,9 @@ often a view into a flat bucket buffer, so nothing here copies it on constructio
 
 Eager ops run through ``__torch_dispatch__`` on the pieces, but only where that is exact
 (elementwise ops, optimizer list ops, full reductions; see ``ragged_dispatch``). That is what
-``torch.optim`` optimizers and ``clip_grad_norm_`` need (importing this module also lets their
-``foreach`` defaults treat RaggedShard tensors like plain ones, as DTensor does). Everything else
+``torch.optim`` optimizers and ``clip_grad_norm_`` need (sharding a tensor also lets their
+``foreach`` defaults treat RaggedShard tensors like plain ones, as DTensor does:
+:func:`register_for_foreach_defaults`). Everything else
 raises rather than compute something silently wrong on a piece.
 
 Under ``torch.compile`` the same dispatch runs on fake/functional pieces: elementwise ops trace as
@@ -18,13 +19,16 @@ FSDP over TP/EP keeps a parameter a DTensor whose local tensor is a RaggedShardT
 over TP/EP] in sharding/materialize.py). torch's ``DTensor.full_tensor()`` and ``redistribute()``
 read the DTensor's placements only: for a ``Replicate()`` parameter (a RowwiseParallel bias, a
 sequence-parallel norm) they issue no collective and would hand back this rank's piece; for
-``Shard`` they gather over the TP/EP dims only. Importing this module wraps both: on real pieces
-they first gather the local tensor whole over FSDP's ranks (one collective; not differentiable),
-then run as before. So ``p.full_tensor()`` and ``p.redistribute(mesh, [Replicate(), ...])`` (what
-torch's state-dict utilities, Hugging Face and checkpointers call) give the whole tensor on every
-rank. Tracing (fake pieces, Dynamo) runs torch's methods unchanged, and ``p.to_local()`` stays the
-RaggedShard local tensor. A plain RaggedShardTensor answers ``redistribute(mesh, [Replicate()])``
-the same way (a replicated DTensor of the whole tensor).
+``Shard`` they gather over the TP/EP dims only. So such a DTensor is a :class:`RaggedLocalDTensor`,
+a DTensor subclass (sharding swaps the parameter's class in place; its gradient, optimizer states
+and what ops on it return are built as one too) whose two methods, on real pieces, first gather the
+local tensor whole over FSDP's ranks (one collective; not differentiable), then run as DTensor's.
+So ``p.full_tensor()`` and ``p.redistribute(mesh, [Replicate(), ...])`` (what torch's state-dict
+utilities, Hugging Face and checkpointers call) give the whole tensor on every rank. Ops run through
+DTensor's own dispatch (its documented way back for subclasses), and tracing sees a plain DTensor
+(``__tensor_unflatten__``), so graphs are unchanged; ``p.to_local()`` stays the RaggedShard local
+tensor. A plain RaggedShardTensor answers ``redistribute(mesh, [Replicate()])`` the same way (a
+replicated DTensor of the whole tensor).
 
 [Note: storage of a sharded tensor]
 A RaggedShardTensor is a wrapper without storage: its data is the piece. Storage-based savers
@@ -42,11 +46,11 @@ and pickling test for wrapper subclasses.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Placement, Replicate
@@ -55,8 +59,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..placement import RaggedShard, transfer_splits
 from . import checkpoint, collectives, in_flight
 
-__all__ = ["BUCKET_ATTR", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor", "is_sharded", "local_block",
-           "ragged_part", "whole_tensor"]
+__all__ = ["BUCKET_ATTR", "RaggedLocalDTensor", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor",
+           "is_sharded", "local_block", "over_pieces", "ragged_part", "register_for_foreach_defaults", "whole_tensor"]
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,58 @@ def _with_whole_local(t: DTensor) -> DTensor:
                               shape=t.shape, stride=t.stride())
 
 
+class RaggedLocalDTensor(DTensor):
+    """A DTensor whose local tensor is a RaggedShardTensor: ``full_tensor`` and ``redistribute`` gather
+    FSDP's pieces first ([Note: DTensors over RaggedShard local tensors])."""
+
+    __slots__ = ()  # DTensor's layout, so a parameter's class can be swapped in place
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        if _holds_real_pieces(self):
+            return _with_whole_local(self).full_tensor(grad_placements=grad_placements)
+        return super().full_tensor(grad_placements=grad_placements)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
+        source = _with_whole_local(self) if _holds_real_pieces(self) else self
+        return DTensor.redistribute(source, device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype,
+                                    backward_dtype=backward_dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # DTensor's dispatch on plain DTensors; results over RaggedShard pieces come back as this class
+        # (a detached state-dict value, an optimizer state, ``p * 2`` gather whole as before), and an
+        # in-place op gives back the tensor it was called on.
+        originals: dict[int, tuple[DTensor, DTensor]] = {}
+
+        def unwrap(t):
+            if isinstance(t, RaggedLocalDTensor):
+                plain = DTensor(t._local_tensor, t._spec, requires_grad=t.requires_grad)
+                originals[id(plain)] = (plain, t)
+                return plain
+            return t
+
+        def rewrap(t):
+            if isinstance(t, DTensor):
+                known = originals.get(id(t))
+                if known is not None and known[0] is t:
+                    return known[1]
+                if type(t) is DTensor and isinstance(t._local_tensor, RaggedShardTensor):
+                    t.__class__ = RaggedLocalDTensor
+            return t
+
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(rewrap, out)
+
+
+def over_pieces(local: torch.Tensor, spec) -> DTensor:
+    """A DTensor with DTensor spec ``spec`` around ``local``: a :class:`RaggedLocalDTensor` when
+    ``local`` is a RaggedShard piece."""
+    cls = RaggedLocalDTensor if isinstance(local, RaggedShardTensor) else DTensor
+    return cls(local, spec, requires_grad=False)
+
+
 def _is_traced(piece: torch.Tensor) -> bool:
     """Whether ``piece`` stands in for data (fake, functional, meta, or under Dynamo) rather than holding it."""
     return type(piece) is not torch.Tensor or piece.is_meta or torch.compiler.is_compiling()
@@ -321,31 +377,6 @@ def _what(t: RaggedShardTensor) -> str:
 
 # On a detached alias of a sharded parameter (``state_dict()`` values): the parameter's name, for messages.
 PARAMETER_NAME = "_fsdp_pass_parameter_name"
-
-
-def _install_dtensor_gathers() -> None:
-    """``DTensor.full_tensor`` / ``redistribute`` of a DTensor whose local tensor is RaggedShard
-    gather FSDP's pieces first ([Note: DTensors over RaggedShard local tensors])."""
-    full_tensor, redistribute = DTensor.full_tensor, DTensor.redistribute
-    if getattr(full_tensor, "_fsdp_pass", False):
-        return
-
-    @functools.wraps(full_tensor)
-    def full_tensor_of_pieces(self, *, grad_placements=None):
-        if _holds_real_pieces(self):
-            self = _with_whole_local(self)
-        return full_tensor(self, grad_placements=grad_placements)
-
-    @functools.wraps(redistribute)
-    def redistribute_pieces(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None,
-                            backward_dtype=None):
-        if _holds_real_pieces(self):
-            self = _with_whole_local(self)
-        return redistribute(self, device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype,
-                            backward_dtype=backward_dtype)
-
-    full_tensor_of_pieces._fsdp_pass = redistribute_pieces._fsdp_pass = True
-    DTensor.full_tensor, DTensor.redistribute = full_tensor_of_pieces, redistribute_pieces
 
 
 def _holds_real_pieces(t: DTensor) -> bool:
@@ -386,6 +417,7 @@ def distribute_tensor(
     full: torch.Tensor, mesh: DeviceMesh | None, placement: RaggedShard, mesh_dim: int = 0
 ) -> RaggedShardTensor:
     """Shard a tensor every rank already holds: keep (a copy of) this rank's slice, no communication."""
+    register_for_foreach_defaults()
     spec = RaggedSpec(full.shape, placement, mesh, mesh_dim)
     start, end = spec.local_range
     local = full.detach().reshape(-1)[start:end].clone()
@@ -400,18 +432,19 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _register_for_foreach_defaults() -> None:
-    """Let optimizers and clip_grad_norm_ pick their foreach paths by default, as for plain tensors."""
+def register_for_foreach_defaults() -> None:
+    """Let optimizers and clip_grad_norm_ pick their foreach paths by default, as for plain tensors.
+
+    Appends to torch's ``_foreach_supported_types`` lists (registries, listed in docs/torch_changes.md);
+    called when a model or tensor is sharded, not at import."""
     from torch.optim import optimizer
     from torch.utils import _foreach_utils
 
     for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
-        if RaggedShardTensor not in supported:
-            supported.append(RaggedShardTensor)
+        for cls in (RaggedShardTensor, RaggedLocalDTensor):  # the latter as torch registers DTensor
+            if cls not in supported:
+                supported.append(cls)
 
-
-_register_for_foreach_defaults()
-_install_dtensor_gathers()
 
 # Imported last: ragged_dispatch imports the classes above (the reverse edge is only used at call time).
 from . import dispatch as ragged_dispatch  # noqa: E402
