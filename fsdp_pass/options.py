@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Fp8Options", "Options"]
+__all__ = ["Fp8Options", "Options", "check_mp_dtype", "mp_policy_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,26 @@ def check_divide_factor(factor: Any, where: str) -> float:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise ValueError(f"{where} must be a positive number (1.0: sum, the data-parallel degree: mean), got {factor!r}")
     return float(factor)
+
+
+def mp_policy_dtypes(mp_policy: Any) -> tuple[Any, Any]:
+    """``(param_dtype, reduce_dtype)`` of an ``mp_policy``: a mapping with those keys, or an object with those
+    attributes (``torch.distributed.fsdp.MixedPrecisionPolicy``); None where not set. Each still needs
+    :func:`check_mp_dtype`."""
+    if mp_policy is None:
+        return None, None
+    if isinstance(mp_policy, Mapping):
+        extra = set(mp_policy) - {"param_dtype", "reduce_dtype"}
+        if extra:
+            raise ValueError(f"unknown mp_policy key(s) {sorted(extra)}; use param_dtype and reduce_dtype")
+        return mp_policy.get("param_dtype"), mp_policy.get("reduce_dtype")
+    return getattr(mp_policy, "param_dtype", None), getattr(mp_policy, "reduce_dtype", None)
+
+
+def check_mp_dtype(dtype: Any, name: str) -> None:
+    """Raise unless ``dtype`` (mp_policy's ``name``) is None or a floating torch.dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"mp_policy {name} must be a floating torch.dtype, got {dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -149,22 +169,13 @@ class Options:
             raise ValueError(
                 f"unknown fsdp_pass option(s) {unknown}; valid options are {sorted(cls._NAMES)}"
             )
-        mp = options.pop("mp_policy", None)
-        if mp is not None:
-            get = mp.get if isinstance(mp, Mapping) else lambda k, d=None: getattr(mp, k, d)
-            extra = set(mp) - {"param_dtype", "reduce_dtype"} if isinstance(mp, Mapping) else set()
-            if extra:
-                raise ValueError(f"unknown mp_policy key(s) {sorted(extra)}; use param_dtype and reduce_dtype")
-            options["param_dtype"] = get("param_dtype", None)
-            options["reduce_dtype"] = get("reduce_dtype", None)
+        options["param_dtype"], options["reduce_dtype"] = mp_policy_dtypes(options.pop("mp_policy", None))
         options["fp8_all_gather"] = Fp8Options.parse(options.get("fp8_all_gather"))
         made = cls(**options)
         if made.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")
         for name in ("param_dtype", "reduce_dtype"):
-            dtype = getattr(made, name)
-            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise ValueError(f"mp_policy {name} must be a floating torch.dtype, got {dtype!r}")
+            check_mp_dtype(getattr(made, name), name)
         if made.prefetch < 0:
             raise ValueError(f"options['prefetch'] must be >= 0 buckets, got {made.prefetch}")
         if made.gradient_divide_factor is not None:

@@ -232,3 +232,27 @@ def test_aliased_parameter_is_rejected_before_anything_is_sharded() -> None:
     del alias
     fully_shard(model)  # dropping the view is the documented fix
     assert all(is_sharded(p) for p in model.parameters())
+
+
+def test_mp_policy_sets_the_dtypes_of_eager_and_compiled_gathers() -> None:
+    """fully_shard(mp_policy=...) as FSDP2's: eager calls and a graph compiled without options["mp_policy"]
+    gather the shards in its param_dtype, the graph reduces in its reduce_dtype, the masters stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_pass.buckets.gather import gather_bucket
+    from fsdp_pass.compile.backend import records
+
+    torch._dynamo.reset()
+    model = fully_shard(MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    x = torch.randn(3, 19)
+    assert model(x.bfloat16()).dtype == torch.bfloat16  # eager: the layers compute on bf16 whole weights
+    before = set(map(id, records()))
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    compiled(x.bfloat16()).float().sum().backward()
+    (record,) = [r for r in records() if id(r) not in before]
+    gathers = list(record.modules["rewritten"].graph.find_nodes(op="call_function", target=gather_bucket))
+    assert gathers and all(n.kwargs["param_dtype"] == n.kwargs["reduce_dtype"] == torch.bfloat16 for n in gathers)
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="mp_policy param_dtype must be a floating torch.dtype"):
+        fully_shard(MLP(), mp_policy={"param_dtype": torch.int8})

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import fsdp_pass
 from fsdp_pass.compile.backend import records
 from fsdp_pass.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
-from fsdp_pass.step import deferred_reduce, prefetch as step_prefetch
+from fsdp_pass.step import prefetch as step_prefetch
+from fsdp_pass.tensor.in_flight import any_in_flight
 from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
@@ -71,12 +72,12 @@ def _train(tag: str, rank: int, models, make_opt, read: dict, steps: int = STEPS
             # A backward into a gradient already held reduces at once (the later micro-batches; steps
             # after one that keeps its gradients).
             if model is models[0] and micro == 1 and (step == 0 or read.get("zeroes", True)):
-                assert deferred_reduce.any_in_flight(), f"{tag}: nothing in flight after backward"
+                assert any_in_flight(), f"{tag}: nothing in flight after backward"
             read["step"](model, opt)
             if model is models[0]:
                 assert step_prefetch.in_flight() == read.get("prefetches", True), f"{tag}: prefetch after the step"
             read.get("write", lambda m: None)(model)
-        assert not deferred_reduce.any_in_flight(), f"{tag}: a gradient left in flight after the step"
+        assert not any_in_flight(), f"{tag}: a gradient left in flight after the step"
         _assert_same(f"{tag} step {step}", *models)
 
 
@@ -132,7 +133,7 @@ def _reduced_first(first, passes: list) -> Callable:
     whether a reduce-scatter was still in flight when it ended), ``optimizer.step()`` on the other's."""
 
     def record(optimizer, args, kwargs):
-        passes.append(deferred_reduce.any_in_flight())
+        passes.append(any_in_flight())
 
     def step(model, opt) -> None:
         for o in getattr(opt, "optimizers", [opt]):

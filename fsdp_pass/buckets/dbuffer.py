@@ -22,8 +22,8 @@ that moment, not at the forward, also makes ``zero_grad`` between forward and ba
 [Note: gradient accumulation without sync]
 ``fsdp_pass.no_sync(model)`` / ``set_requires_gradient_sync(model, False)`` clear
 :attr:`DBuffer.gradient_sync`. While any trainable bucket of a compiled graph is not syncing, or
-still holds an accumulated gradient, the backend runs a second compiled variant of the same
-rewritten graph (compile/passes/rewrite.py :func:`accumulating_variant`, compiled once, on first use): each
+still holds an accumulated gradient, the backend runs another compiled variant of the same
+rewritten graph (compile/passes/rewrite.py :func:`hand_out_gradients`, compiled once, on first use): each
 trainable bucket's ``gather_bucket`` there also takes a *pending* input, an autograd leaf of the
 gathered size (m·S elements in ``reduce_dtype``; a stride-0 view of one element, so the leaf itself
 costs nothing). Its backward reduces nothing: it hands the whole, unsharded bucket gradient to that
@@ -144,8 +144,16 @@ class DBuffer:
         self.gradient_divide_factor: float | None = None
         # (shard version when gathered, name → whole view) of the last eager gather (buckets/whole_values.py)
         self.whole_views: tuple[int, dict[str, torch.Tensor]] | None = None
-        # The dtype compiled graphs gather in (mp_policy's param_dtype); eager calls gather in it too.
+        # fully_shard's mp_policy: what graphs compiled without options["mp_policy"] gather and reduce in
+        self.param_dtype: torch.dtype = dtype
+        self.reduce_dtype: torch.dtype = dtype
+        # what eager calls gather in: the param_dtype of the last graph compiled over the bucket, else param_dtype
         self.compute_dtype: torch.dtype = dtype
+        # names of parameters still holding the NaN placeholder ([Note: uninitialized shards] in buckets/uninitialized.py)
+        self.uninitialized: set[str] = set()
+        # the all-gather issued for the next step, in flight (a step/prefetch.py _Prefetch; kept here,
+        # driven by step/prefetch.py: [Note: the next step's first gather starts at the optimizer step])
+        self.prefetched = None
         # where each parameter's piece lies in this rank's shard ([Note: one kernel per bucket] in tensor/flat_buffers.py)
         self.slots = flat_buffers.BucketSlots({n: layout.shard_range(n, self.rank) for n in layout.names})
         flat_buffers.register(self.shard, self.slots)
@@ -331,6 +339,27 @@ class DBuffer:
         if self.gradient_divide_factor is None:
             return self.mesh.divisor
         return self.gradient_divide_factor * self.mesh.copies
+
+    # -- settings -------------------------------------------------------------------------------
+    def apply_settings(self, *, gradient_sync: bool | None = None, gradient_divide_factor: float | None = None,
+                       param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                       compute_dtype: torch.dtype | None = None) -> None:
+        """Set the settings named; None leaves one as it is.
+
+        ``gradient_sync`` and ``gradient_divide_factor``: see buckets/gradient_sync.py. ``param_dtype`` and
+        ``reduce_dtype``: fully_shard's ``mp_policy`` (``param_dtype`` is then what eager calls gather in too).
+        ``compute_dtype``: what eager calls gather in (a compiled graph sets its own ``param_dtype``).
+        """
+        if gradient_sync is not None:
+            self.gradient_sync = gradient_sync
+        if gradient_divide_factor is not None:
+            self.gradient_divide_factor = gradient_divide_factor
+        if param_dtype is not None:
+            self.param_dtype = self.compute_dtype = param_dtype
+        if reduce_dtype is not None:
+            self.reduce_dtype = reduce_dtype
+        if compute_dtype is not None:
+            self.compute_dtype = compute_dtype
 
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -177,7 +177,9 @@ def unpack_gathered(gathered: torch.Tensor, shard_size: int, config: GatherConfi
                       config.param_dtype)
 
 
-_handed: dict[int, torch.Tensor] = {}  # slot → a gathered buffer handed to the next graph call
+# slot (a bucket's position among a graph's shard inputs) → the gathered buffer handed to the next graph
+# call, which takes it at once: a hand-off between the backend and the op, which knows its slot, not its bucket
+_handed: dict[int, torch.Tensor] = {}
 
 
 def hand_over(slot: int, gathered: torch.Tensor) -> None:

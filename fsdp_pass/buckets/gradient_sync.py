@@ -55,11 +55,11 @@ def _targets(model: nn.Module, call: str) -> tuple[list[DBuffer], list[torch.Ten
     return buffers_of(model), [p for p in params if not is_sharded(p)]
 
 
-def _set(model: nn.Module, setting: str, value, call: str) -> None:
+def _set(model: nn.Module, call: str, **setting) -> None:
     buffers, waiting = _targets(model, call)
     for buf in buffers:
-        setattr(buf, setting, value)
-    bucket_settings.record(waiting, setting, value)
+        buf.apply_settings(**setting)
+    bucket_settings.record(waiting, **setting)
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -72,7 +72,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     shards at the first call and applies the setting then). Eager (uncompiled) calls keep
     syncing their gradients at once.
     """
-    _set(model, "gradient_sync", bool(requires_gradient_sync), "set_requires_gradient_sync")
+    _set(model, "set_requires_gradient_sync", gradient_sync=bool(requires_gradient_sync))
 
 
 def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
@@ -84,7 +84,7 @@ def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
     graph compiled with another factor refuses to run. Also ``options={"gradient_divide_factor": f}``.
     """
     factor = check_divide_factor(factor, "set_gradient_divide_factor's factor")
-    _set(model, "gradient_divide_factor", factor, "set_gradient_divide_factor")
+    _set(model, "set_gradient_divide_factor", gradient_divide_factor=factor)
 
 
 @contextlib.contextmanager
@@ -104,12 +104,12 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for buf, state in zip(buffers, before):
-            buf.gradient_sync = state
+            buf.apply_settings(gradient_sync=state)
         for p, state in zip(waiting, waiting_before):
             if is_sharded(p):  # sharded inside the block
-                bucket_of(p)[0].gradient_sync = state
+                bucket_of(p)[0].apply_settings(gradient_sync=state)
             else:
-                bucket_settings.record([p], "gradient_sync", state)
+                bucket_settings.record([p], gradient_sync=state)
 
 
 def reduce_gradients(model: nn.Module) -> None:

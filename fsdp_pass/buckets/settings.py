@@ -21,10 +21,10 @@ __all__ = ["apply_recorded", "record", "recorded"]
 _recorded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter → {setting: value}
 
 
-def record(params: Iterable[torch.Tensor], setting: str, value: Any) -> None:
-    """Remember ``setting = value`` for parameters not sharded yet."""
+def record(params: Iterable[torch.Tensor], **setting: Any) -> None:
+    """Remember a setting (a keyword of :meth:`DBuffer.apply_settings`) for parameters not sharded yet."""
     for p in params:
-        _recorded.setdefault(p, {})[setting] = value
+        _recorded.setdefault(p, {}).update(setting)
 
 
 def recorded(p: torch.Tensor, setting: str, default: Any = None) -> Any:
@@ -37,5 +37,4 @@ def apply_recorded(buf, params: Iterable[torch.Tensor]) -> None:
         entry = _recorded.get(p)
         if entry is not None:
             del _recorded[p]
-            for setting, value in entry.items():
-                setattr(buf, setting, value)
+            buf.apply_settings(**entry)

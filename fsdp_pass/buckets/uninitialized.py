@@ -17,9 +17,10 @@ cheaper signals were considered and rejected:
 * marks in the DCP load hooks: they miss every writer that is not DCP.
 
 So the value itself is the record. A parameter left for a checkpoint has its piece filled with
-NaN (:func:`mark_pending`) and its name kept in its bucket's *pending* set. Any write replaces the
-NaNs; no real checkpoint or init holds a parameter that is NaN everywhere. Pending names are
-checked only while some remain anywhere (one ``dict`` truth test per call otherwise):
+NaN (:func:`mark_pending`) and its name kept in its bucket's *pending* set
+(:attr:`DBuffer.uninitialized`). Any write replaces the NaNs; no real checkpoint or init holds a
+parameter that is NaN everywhere. Pending names are checked only while some remain anywhere (one
+truth test of the set of buckets holding some, per call otherwise):
 
 * eager calls gather the bucket anyway (:func:`~fsdp_pass.eager.calls.whole_parameter`), so
   :func:`check_gathered` looks at the whole values, the same on every rank: no collective;
@@ -43,35 +44,30 @@ import torch
 from ..tensor import collectives
 
 __all__ = ["any_pending", "check_buckets", "check_gathered", "check_meta_buffers_before_forward", "mark_initialized",
-           "mark_pending", "pending_names"]
+           "mark_pending"]
 
-# DBuffer → names of its parameters still holding the NaN placeholder (entries dropped when empty).
-_pending: "weakref.WeakKeyDictionary[object, set[str]]" = weakref.WeakKeyDictionary()
+# The live buckets whose ``uninitialized`` set is not empty: the backend asks every call whether any is.
+_holding: "weakref.WeakSet[object]" = weakref.WeakSet()
 
 
 def any_pending() -> bool:
     """Whether any live bucket has a parameter that was never initialized nor loaded."""
-    return bool(_pending)
-
-
-def pending_names(buf) -> set[str]:
-    return set(_pending.get(buf, ()))
+    return bool(_holding)
 
 
 @torch.no_grad()
 def mark_pending(buf, name: str) -> None:
     """Fill ``name``'s piece with the NaN placeholder and remember it until a check finds it written."""
     buf.local_piece(name).fill_(float("nan"))
-    _pending.setdefault(buf, set()).add(name)
+    buf.uninitialized.add(name)
+    _holding.add(buf)
 
 
 def mark_initialized(buf, name: str) -> None:
     """Forget ``name`` (fsdp_pass itself just wrote its value on every rank)."""
-    names = _pending.get(buf)
-    if names is not None:
-        names.discard(name)
-        if not names:
-            del _pending[buf]
+    buf.uninitialized.discard(name)
+    if not buf.uninitialized:
+        _holding.discard(buf)
 
 
 def _still_placeholder(t: torch.Tensor) -> bool:
@@ -80,7 +76,7 @@ def _still_placeholder(t: torch.Tensor) -> bool:
 
 def check_gathered(buf, views: dict[str, torch.Tensor]) -> None:
     """Eager path: raise if a pending parameter of ``buf`` is all NaN in its gathered whole value."""
-    names = _pending.get(buf)
+    names = buf.uninitialized
     if not names:
         return
     bad = sorted(n for n in names if _still_placeholder(views[n]))
@@ -91,7 +87,7 @@ def check_buckets(buffers) -> None:
     """Compiled path: one MAX all-reduce per bucket with pending parameters, over that bucket's ranks."""
     error = None
     for buf in buffers:
-        names = sorted(_pending.get(buf, ()))
+        names = sorted(buf.uninitialized)
         if not names:
             continue
         flags = torch.tensor([_still_placeholder(buf.local_piece(n)) for n in names], dtype=torch.int32,
@@ -99,7 +95,7 @@ def check_buckets(buffers) -> None:
         for group in buf.mesh.data_parallel_groups():
             collectives.all_reduce_(flags, group, "max")
         try:
-            _settle(buf, _pending[buf], {n for n, f in zip(names, flags.tolist()) if f})
+            _settle(buf, buf.uninitialized, {n for n, f in zip(names, flags.tolist()) if f})
         except RuntimeError as e:
             error = error or e
     if error is not None:

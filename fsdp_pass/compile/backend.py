@@ -141,7 +141,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         log.plan(buf)
     rewritten = result.rewritten
     for buf, config in zip(rewritten.buffers, rewritten.configs):
-        buf.compute_dtype = config.param_dtype  # eager calls compute as the compiled graph does
+        buf.apply_settings(compute_dtype=config.param_dtype)  # eager calls compute as the compiled graph does
     record.buffers = rewritten.buffers
     record.graph("rewritten", rewritten.gm)
 

@@ -46,7 +46,6 @@ from torchtitan.models.qwen3 import config_registry as _qwen3_configs
 from torchtitan.trainer import Trainer
 
 import fsdp_pass
-from fsdp_pass.buckets.dbuffer import buffers_of as _buffers_of
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 
 __all__ = ["CONFIGS", "CheckpointManager", "ModelWrapper", "parallelize", "with_fsdp_pass"]
@@ -99,12 +98,12 @@ def parallelize(
     dims = {"shard_dim": "fsdp", "replicate_dim": "dp_replicate" if hsdp else None} if parallel_dims.tp_enabled else {}
     mesh = parallel_dims.get_mesh([*data_parallel, "tp"] if parallel_dims.tp_enabled else data_parallel)
     # Compiled blocks share one graph only when each block's parameters are a bucket of their own.
-    fsdp_pass.fully_shard(model, mesh, init="skip", min_bucket_bytes=0 if compiled else None, **dims)
+    # The compiled blocks and the eager calls (embedding, norm, the chunked loss's head) gather in param_dtype.
+    mp_policy = {"param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param],
+                 "reduce_dtype": TORCH_DTYPE_MAP[training.mixed_precision_reduce]}
+    fsdp_pass.fully_shard(model, mesh, init="skip", min_bucket_bytes=0 if compiled else None, mp_policy=mp_policy,
+                          **dims)
     fsdp_pass.set_gradient_divide_factor(model, 1.0)
-    param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
-    reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
-    for buf in _buffers_of(model):  # eager calls (embedding, norm, the chunked loss's head) gather in it too
-        buf.compute_dtype = param_dtype
     if compiled:
         # torchtitan's settings for compiled blocks (data-dependent shapes; no forward side effects
         # replayed in an activation-checkpointed backward)
@@ -114,7 +113,6 @@ def parallelize(
             "mesh": mesh,
             **dims,
             "compiler": compile_config.backend,
-            "mp_policy": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype},
             "reshard_after_forward": parallelism.fsdp_reshard_after_forward != "never",
             "gradient_divide_factor": 1.0,
         }

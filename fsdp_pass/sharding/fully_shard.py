@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .blocks import block_size
-from ..options import Fp8Options
+from ..options import Fp8Options, check_mp_dtype, mp_policy_dtypes
 from .buckets import ShardingConfig, check_one_device
 from .fp8_select import lcm_blocks, plan_fp8
 from .materialize import shard_parameters
@@ -31,6 +31,7 @@ def fully_shard(
     block_sizes: Mapping[str, Any] | None = None,
     align_bytes: int = 16,
     fp8_all_gather: bool | Mapping[str, Any] | None = None,
+    mp_policy: Any = None,
     init: str = "replay",
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
@@ -65,12 +66,19 @@ def fully_shard(
         fp8_all_gather: ``True`` or ``{"tile": 128, "include": [...], "exclude": [...]}``: the layer
             weights get tile-row blocks and buckets of their own, which the compiled graph gathers as
             FP8 codes and block scales (see ``docs/fp8.md``).
+        mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}`` or a
+            ``torch.distributed.fsdp.MixedPrecisionPolicy``: the dtype the shards are gathered in (eager
+            calls and compiled graphs) and the one compiled graphs reduce gradients in; master shards keep
+            their dtype. A compile's ``options["mp_policy"]`` overrides it for that graph.
         init: for a meta-device model, ``"replay"`` (default) runs the model's own init into the
             shards as above; ``"skip"`` runs nothing, leaving every parameter and buffer to
             ``to_empty`` + the model's init (or a checkpoint).
     """
     if init not in ("replay", "skip"):
         raise ValueError(f"fully_shard's init must be 'replay' or 'skip', got {init!r}")
+    param_dtype, reduce_dtype = mp_policy_dtypes(mp_policy)
+    check_mp_dtype(param_dtype, "param_dtype")
+    check_mp_dtype(reduce_dtype, "reduce_dtype")
     named = list(module.named_parameters(remove_duplicate=True))
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
                                  model_dims=model_mesh_dims(named))
@@ -81,13 +89,15 @@ def fully_shard(
     meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
     meta.prepare_buffers()
     try:
-        shard_parameters(named, sharding_mesh,
-                         ShardingConfig(bucket_size, align_bytes, min_bucket_bytes=min_bucket_bytes),
-                         lcm_blocks(blocks, fp8.blocks), fp8.tiles)
+        new = shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, param_dtype,
+                                                                    min_bucket_bytes),
+                               lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     except BaseException:
         meta.restore_buffers()
         raise
     fp8.record_left_out(named)
+    for buf in new:
+        buf.apply_settings(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     meta.run()
     if meta.left_on_meta:
         check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)

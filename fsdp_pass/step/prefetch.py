@@ -10,15 +10,15 @@ and nothing in the graph hides them. With ``prefetch_next_step`` on, the optimiz
   target of the next one;
 * a global optimizer step post-hook issues, without a wait, the all-gathers of the target's buckets
   that the optimizer holds a parameter of (so after the last write to those shards that this
-  optimizer makes), and records each shard's version counter (a frozen bucket, which no optimizer
-  holds, is issued at the first optimizer's step). A second optimizer holding one of them issues
-  that one again (the first one's copy may be stale): Muon for the matrices and AdamW for the rest
-  share a layer's bucket. Every rank steps the same optimizers, as in any data-parallel loop: the
-  hook issues collectives;
+  optimizer makes), and records each shard's version counter, both kept on the bucket
+  (``DBuffer.prefetched``); a frozen bucket, which no optimizer holds, is issued at the first
+  optimizer's step. A second optimizer holding one of them issues that one again (the first one's
+  copy may be stale): Muon for the matrices and AdamW for the rest share a layer's bucket. Every
+  rank steps the same optimizers, as in any data-parallel loop: the hook issues collectives;
 * the next call of that graph takes them (:func:`take`): it runs the graph variant whose
   ``gather_bucket`` for those buckets takes the buffer handed over to it (``fsdp_pass::take_gathered``,
   an op where the gather was, so the graph frees the buffer after its last use; compile/passes/rewrite.py
-  :func:`prefetching_variant`) instead of gathering. The values are the graph's own: the same cast
+  :func:`take_prefetched`) instead of gathering. The values are the graph's own: the same cast
   (or FP8 pack) of the same shard, the same collective. Backward gathers those buckets again, as
   without the option (compile/passes/schedule.py :func:`gather_taken_again`), so forward and backward hold
   what they hold without it.
@@ -60,7 +60,7 @@ from torch.profiler import record_function
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..tensor import in_flight
+from ..tensor.in_flight import settle_before_collective
 from ..buckets.gather import GatherConfig, gather_input, unpack_gathered
 
 __all__ = ["Target", "discard", "enable", "in_flight", "note_first", "take"]
@@ -69,7 +69,8 @@ WAIT_SCOPE = "fsdp_pass::prefetched_gather_wait"  # profiler scope of take's agr
 
 
 class _Prefetch(NamedTuple):
-    buffer: weakref.ref  # the DBuffer gathered
+    """A bucket's all-gather issued at a step (``DBuffer.prefetched``)."""
+
     config: GatherConfig  # the gather's arguments in the graph that named it
     version: int  # the shard's version counter when the gather was issued
     work: dist.Work  # the all-gather in flight ([Note: one collective in flight on gloo])
@@ -86,7 +87,8 @@ class Target(NamedTuple):
 
 _target: list[tuple[weakref.ref, GatherConfig]] = []  # the first graph's buckets since the last step
 _named_since_step = False  # whether a graph named the target since the last optimizer step
-_in_flight: dict[int, _Prefetch] = {}  # id(DBuffer) → its gather in flight
+# The live buckets whose ``prefetched`` holds a gather in flight: one truth test when none is.
+_holding: "weakref.WeakSet[object]" = weakref.WeakSet()
 _hook = None  # the optimizer post-hook's handle, registered by the first graph with the option
 
 
@@ -99,7 +101,7 @@ def enable() -> None:
 
 def in_flight() -> bool:
     """Whether a gather issued at a step is in flight."""
-    return bool(_in_flight)
+    return bool(_holding)
 
 
 def note_first(targets: list[Target]) -> None:
@@ -122,46 +124,53 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             continue
         if buf.shard.requires_grad and not any(id(p) in held for p in buf.params.values()):
             continue
-        if not buf.shard.requires_grad and id(buf) in _in_flight:
+        if not buf.shard.requires_grad and buf.prefetched is not None:
             continue  # frozen: no step writes it, any optimizer's step issues it once
-        _discard(id(buf))
-        in_flight.settle_before_collective(buf.shard.device)
+        _discard(buf)
+        settle_before_collective(buf.shard.device)
         with torch.no_grad():
             sent = gather_input(buf.shard.detach(), config)
         received = sent.new_empty(sent.numel() * config.shard_world)
         work = dist.all_gather_into_tensor(received, sent, group=_resolve_process_group(config.shard_group),
                                            async_op=True)
-        _in_flight[id(buf)] = _Prefetch(ref, config, buf.shard._version, work, sent, received)
+        buf.prefetched = _Prefetch(config, buf.shard._version, work, sent, received)
+        _holding.add(buf)
 
 
-def _discard(key: int) -> None:
+def _take_off(buf) -> _Prefetch | None:
+    """The gather in flight for ``buf``, if any, no longer held by it."""
+    entry, buf.prefetched = buf.prefetched, None
+    _holding.discard(buf)
+    return entry
+
+
+def _discard(buf) -> None:
     """Drop the gather in flight for a bucket, if any (wait for it: its collective was issued on every rank)."""
-    entry = _in_flight.pop(key, None)
+    entry = _take_off(buf)
     if entry is not None:
         entry.work.wait()
 
 
 def discard(buffers) -> None:
-    """Drop the gathers in flight for any of ``buffers`` (nothing to look up when none is in flight)."""
-    if not _in_flight:
+    """Drop the gathers in flight for any of ``buffers`` (nothing to look at when none is in flight)."""
+    if not _holding:
         return
     for buf in buffers:
-        if id(buf) in _in_flight:
-            _discard(id(buf))
+        _discard(buf)
 
 
 def take(targets: list[Target]) -> list[torch.Tensor] | None:
     """The gathered buffers of ``targets`` if a gather is in flight for each, with its config, and no
     rank's shard changed since; else None (and what was in flight for them is dropped). Every rank of
     their shard group must call it at the same point (it agrees with them: one small all-reduce)."""
-    entries = [_in_flight.get(id(t.buffer)) for t in targets]
+    entries = [t.buffer.prefetched for t in targets]
     if not any(entries):
         return None
-    if not all(e is not None and e.buffer() is t.buffer and e.config == t.config for e, t in zip(entries, targets)):
+    if not all(e is not None and e.config == t.config for e, t in zip(entries, targets)):
         discard([t.buffer for t in targets])
         return None
     for t in targets:
-        del _in_flight[id(t.buffer)]
+        _take_off(t.buffer)
     with record_function(WAIT_SCOPE):
         changed = any(t.buffer.shard._version != e.version for e, t in zip(entries, targets))
         stale = torch.tensor([int(changed)], dtype=torch.int32, device=targets[0].buffer.shard.device)

@@ -101,7 +101,7 @@ def rewrite_parameters(
         shard._dynamo_source = None
         shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
         new_inputs.append(buf)
-        config = buf.config(param_dtype or buf.dtype, reduce_dtype or buf.dtype, fp8=True)
+        config = buf.config(param_dtype or buf.param_dtype, reduce_dtype or buf.reduce_dtype, fp8=True)
         configs.append(config)
         kwargs = config._asdict()
         if config.fp8 is None:  # only FP8 buckets name it ([Note: FP8 all-gather] in buckets/gather.py)

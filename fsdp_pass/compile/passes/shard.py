@@ -55,5 +55,5 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
         check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
     if opts.gradient_divide_factor is not None:
         for buf, _ in buckets.values():
-            buf.gradient_divide_factor = float(opts.gradient_divide_factor)
+            buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return Sharded(buckets, new)
