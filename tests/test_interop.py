@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import pickle
 import re
 import tempfile
 
@@ -85,6 +86,69 @@ def test_apply_refuses_dtype_and_device_changes_untouched(call, match):
         call(model)
     assert model.scale.dtype == torch.float32 and model.scale.device.type == "cpu"  # nothing changed
     assert all(p.dtype == torch.float32 and is_sharded(p) for p in model.parameters())
+
+
+def test_apply_reaches_sharded_modules_through_plain_parents_and_the_backend():
+    """A framework's container and the compiled wrapper reach the sharded modules' own ``_apply``, whether
+    ``fully_shard`` or the backend sharded them; giving it while Dynamo traces costs no recompile."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 19)
+    for shard in ("fully_shard", "backend"):
+        torch._dynamo.reset()
+        model = MLP()
+        reference = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="vescale", options=AOT)
+        if shard == "fully_shard":
+            fsdp_pass.fully_shard(model)
+        else:
+            compiled(x)  # the backend shards at the first call
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            compiled(x)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        assert all("_apply" in vars(m) for m in (model, model.layers, *model.layers))
+        outer = nn.Sequential(compiled)
+        before = [(p, p.to_local()) for p in model.parameters()]
+        outer.to("cpu").float().to_empty(device="cpu")
+        assert all(p is q and q.to_local() is piece for (p, piece), q in zip(before, model.parameters()))
+        refused = r"Linear.weight \(parameter 'layers.0.weight', shape \(37, 19\)\).*mp_policy"
+        with pytest.raises(TypeError, match=refused):
+            outer.half()
+        assert all(p.dtype == torch.float32 and is_sharded(p) for p in model.parameters())
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.filterwarnings("ignore:backward hook")  # pickling a parameter drops its hooks
+def test_sharded_modules_keep_their_classes_and_copies_keep_their_shards():
+    model = MLP()
+    model.act = nn.ReLU()  # holds no parameter: keeps torch's method
+    fsdp_pass.fully_shard(model)
+    assert type(model) is MLP and type(model.layers[0]) is nn.Linear
+    assert "_apply" in vars(model) and "_apply" in vars(model.layers) and "_apply" not in vars(model.act)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert type(loaded) is MLP and loaded.layers[1]._apply._module() is loaded.layers[1]
+    copied = copy.deepcopy(model)
+    assert copied.layers[0]._apply._module() is copied.layers[0]
+    with pytest.raises(TypeError, match="mp_policy"):
+        copied.half()
+    x = torch.randn(4, 19)
+    assert torch.equal(copied.to("cpu")(x), model(x))
+
+
+def test_torch_patch_targets_still_exist():
+    """What fsdp_pass/interop/torch_patches.py's wrapper refusals rely on in torch (see its section)."""
+    import inspect
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from torch.nn.parallel import DistributedDataParallel
+
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):  # the module is __init__'s first argument
+        assert list(inspect.signature(inspect.unwrap(wrapper.__init__)).parameters)[:2] == ["self", "module"]
+    verify = inspect.unwrap(_fsdp_init._verify_managed_param)
+    assert list(inspect.signature(verify).parameters) == ["name", "param"]
+    # fully_shard's states reach it as a module global, looked up at call time
+    assert "_verify_managed_param" in _fsdp_init._get_managed_states.__code__.co_names
+    assert _fsdp_init._get_managed_states.__globals__ is vars(_fsdp_init)
 
 
 def test_ddp_and_fsdp1_are_refused_with_the_fix():

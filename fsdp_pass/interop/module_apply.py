@@ -20,52 +20,93 @@ then
   for compute, the master shard keeps its dtype) or its device (build or move the model before
   sharding; on the meta device the shards are already allocated on the mesh's device).
 
-Buffers and plain parameters go through torch's own ``_apply``. The hook is installed on
-``nn.Module`` once, when the first parameters are sharded; modules without sharded parameters take
-torch's path unchanged.
+Buffers and plain parameters go through torch's own ``_apply``. The method is the sharded
+modules' own: when parameters are sharded, every module that holds one, and every module above it up
+to the module sharded (``fully_shard``'s argument, the module the compiled frame reached them
+through), gets an ``_apply`` instance attribute, found before its class's method
+(:func:`keep_shards_on_apply`). The outermost of them checks its whole tree before anything moves, so
+a refused call changes nothing; torch's ``_apply`` reaches them below a plain parent (an
+``OptimizedModule``, a framework's container) through ``child._apply``. Other modules keep torch's
+method. A module class's own ``_apply`` override runs inside, with the sharded parameters set aside.
+
+Why not FSDP2's class swap (a subclass per module class): the backend shards while Dynamo traces,
+and Dynamo's guards, built after the backend returns, name class attributes by their place in the
+traced class's MRO (``type(m).__mro__[1].__dict__['_compiled_call_impl']``, Hugging Face's
+``loss_function`` property): a class swapped in between breaks them, and one swapped after the
+compile costs a recompile of every frame. The attribute leaves the class, ``type(model)`` and its
+name alone, and copies with the module (``copy.deepcopy``, pickle: it names its module, which the
+copy maps to the copied one).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn as nn
 
 from ..tensor.ragged_tensor import bucket_of, is_sharded
 
-__all__ = ["install_module_apply"]
-
-_torch_apply = nn.Module._apply
+__all__ = ["keep_shards_on_apply"]
 
 
-def install_module_apply() -> None:
-    """Route ``nn.Module._apply`` through :func:`_apply_keeping_shards` (once per process)."""
-    if nn.Module._apply is not _apply_keeping_shards:
-        nn.Module._apply = _apply_keeping_shards
+class _ApplyKeepingShards:
+    """A sharded module's ``_apply``: leaves its sharded parameters in their buckets."""
 
+    __slots__ = ("_module",)
 
-_checking = None  # the fn of the outermost _apply in progress: its whole tree was checked on entry
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)  # the module holds this: no reference cycle
 
-
-def _apply_keeping_shards(self: nn.Module, fn, recurse: bool = True):
-    global _checking
-    if _checking is not fn:  # check every sharded parameter first: a refused call changes nothing
-        for module in self.modules() if recurse else (self,):
-            for key, p in module._parameters.items():
+    def __call__(self, fn, recurse: bool = True):
+        global _checking
+        module = self._module()
+        if _checking is fn:  # an outer sharded module checked this tree already
+            return _apply_keeping_shards(module, fn, recurse)
+        for sub in module.modules() if recurse else (module,):  # check first: a refused call changes nothing
+            for key, p in sub._parameters.items():
                 if p is not None and is_sharded(p):
-                    _check_kept(module, key, p, fn)
+                    _check_kept(sub, key, p, fn)
         outer, _checking = _checking, fn
         try:
-            return _apply_keeping_shards(self, fn, recurse)
+            return _apply_keeping_shards(module, fn, recurse)
         finally:
             _checking = outer
+
+    def __reduce__(self):
+        return _ApplyKeepingShards, (self._module(),)
+
+
+_checking = None  # the fn of the outermost sharded module's _apply in progress: its tree was checked on entry
+
+
+def keep_shards_on_apply(root: nn.Module) -> None:
+    """Give each module of ``root`` holding sharded parameters, or above one, its own ``_apply`` (once)."""
+    memo: dict[int, bool] = {}
+    for module in root.modules():
+        if not isinstance(vars(module).get("_apply"), _ApplyKeepingShards) and _holds_shards(module, memo):
+            vars(module)["_apply"] = _ApplyKeepingShards(module)
+
+
+def _holds_shards(module: nn.Module, memo: dict[int, bool]) -> bool:
+    key = id(module)
+    if key not in memo:
+        memo[key] = False  # a module reached again inside its own subtree adds nothing
+        memo[key] = (any(p is not None and is_sharded(p) for p in module._parameters.values())
+                     or any([_holds_shards(child, memo) for child in module.children()]))
+    return memo[key]
+
+
+def _apply_keeping_shards(self: nn.Module, fn, recurse: bool):
     sharded = {key: p for key, p in self._parameters.items() if p is not None and is_sharded(p)}
+    apply = type(self)._apply  # the class's own, torch's unless it overrides it
     if not sharded:
-        return _torch_apply(self, fn, recurse)
+        return apply(self, fn, recurse)
     order = list(self._parameters)
     for key in sharded:  # torch's _apply sees only the rest; the sharded ones stay untouched
         del self._parameters[key]
     try:
-        _torch_apply(self, fn, recurse)
+        apply(self, fn, recurse)
     finally:
         rest = dict(self._parameters)
         self._parameters.clear()

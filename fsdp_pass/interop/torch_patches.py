@@ -45,3 +45,54 @@ def install_full_state_dict_gather() -> None:
 
     setattr(gather_whole, _PATCHED, True)
     torch_state_dict._gather_state_dict = gather_whole
+
+
+# -- wrappers around a sharded model: DDP's and FSDP1's constructors, FSDP2's _verify_managed_param --
+# What: DistributedDataParallel.__init__ and FullyShardedDataParallel.__init__ are wrapped to run
+# refuse_sharded_module(module) before torch's constructor; FSDP2's
+# torch.distributed.fsdp._fully_shard._fsdp_init._verify_managed_param, which fully_shard's
+# _get_managed_states calls (a module global, looked up at call time) for every parameter it would
+# manage, is wrapped to run refuse_sharded_parameter(param) first. See [Note: wrappers around a
+# sharded model] in wrapper_check.py.
+# Why a patch: nothing torch asks of the module or its parameters can refuse in time. DDP's
+# constructor looks up the default process group before it reads the module, then reads only the
+# module it is handed (_ddp_params_and_buffers_to_ignore), not a sharded one inside a container.
+# FSDP1 and FSDP2 look at every submodule through the composable-API registry (a getattr a sharded
+# module could answer), but torch's get_state_dict reads the same registry of every submodule
+# (FSDP.fsdp_modules) and a registry cannot tell who asks; FSDP2's per-parameter check asks
+# len(param.shape), which the parameter's type never sees. tests/test_interop.py pins the three
+# targets (test_torch_patch_targets_still_exist).
+
+def install_wrapper_refusals() -> None:
+    """Wrap DDP's and FSDP1's constructors and FSDP2's parameter check to refuse sharded modules (once)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .wrapper_check import refuse_sharded_module, refuse_sharded_parameter
+
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
+        if not getattr(wrapper.__init__, _PATCHED, False):
+            wrapper.__init__ = _refusing_sharded_modules(wrapper.__init__, wrapper.__name__, refuse_sharded_module)
+    verify = getattr(_fsdp_init, "_verify_managed_param", None)  # gone in a later torch: the pinning test says so
+    if verify is not None and not getattr(verify, _PATCHED, False):
+        @functools.wraps(verify)
+        def refusing_verify(name, param, *args, **kwargs):
+            refuse_sharded_parameter(param)
+            return verify(name, param, *args, **kwargs)
+
+        setattr(refusing_verify, _PATCHED, True)
+        _fsdp_init._verify_managed_param = refusing_verify
+
+
+def _refusing_sharded_modules(init, wrapper_name: str, refuse):
+    @functools.wraps(init)
+    def refusing_init(self, module, *args, **kwargs):
+        refuse(wrapper_name, module)
+        init(self, module, *args, **kwargs)
+
+    setattr(refusing_init, _PATCHED, True)
+    return refusing_init
+
+
+__all__ += ["install_wrapper_refusals"]

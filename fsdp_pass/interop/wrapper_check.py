@@ -4,12 +4,14 @@
 fsdp_pass already synchronizes gradients (one reduce-scatter per bucket). Frameworks wrap every
 multi-process model in ``DistributedDataParallel`` unless told otherwise (accelerate's ``prepare``,
 Hugging Face ``Trainer``); DDP (or FSDP1) around RaggedShard parameters fails deep inside its
-parameter broadcast with a message about tensor aliasing or views. Their constructors are
-wrapped, once the first parameters are sharded, to refuse a module holding sharded parameters
-with a message that names the fix. FSDP2's ``fully_shard`` is a function users import by name, so
-its per-parameter check (``_verify_managed_param``, looked up at call time) is wrapped instead:
-FSDP2 would otherwise gather each sharded parameter whole and shard it again as its own DTensor,
-leaving fsdp_pass's buckets behind.
+parameter broadcast with a message about tensor aliasing or views. Their constructors refuse a
+module holding sharded parameters with a message that names the fix (:func:`refuse_sharded_module`).
+FSDP2's ``fully_shard`` refuses each sharded parameter it is asked to manage
+(:func:`refuse_sharded_parameter`): FSDP2 would otherwise gather each sharded parameter whole and
+shard it again as its own DTensor, leaving fsdp_pass's buckets behind. None of the three asks the
+module or its parameters anything that could refuse in time, so
+:mod:`fsdp_pass.interop.torch_patches` installs the checks into them, once a model is sharded, and
+says why for each.
 
 A model sharded before the process group exists (``fully_shard`` before ``Accelerator()`` or
 ``TrainingArguments`` create it) was sharded over a world of one: run on several ranks, every
@@ -19,63 +21,32 @@ that at the first compiled or eager use.
 
 from __future__ import annotations
 
-import functools
-
 import torch.nn as nn
 
-__all__ = ["install_wrapper_check"]
+from ..tensor.ragged_tensor import bucket_of, is_sharded
 
-_installed = False
-
-
-def install_wrapper_check() -> None:
-    """Wrap DDP's and FSDP1's constructors and FSDP2's parameter check to refuse sharded modules (once)."""
-    global _installed
-    if _installed:
-        return
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
-        wrapper.__init__ = _refusing_sharded_modules(wrapper.__init__, wrapper.__name__)
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    if hasattr(_fsdp_init, "_verify_managed_param"):
-        _fsdp_init._verify_managed_param = _refusing_sharded_parameters(_fsdp_init._verify_managed_param)
-    _installed = True
+__all__ = ["refuse_sharded_module", "refuse_sharded_parameter"]
 
 
-def _refusing_sharded_modules(init, wrapper_name: str):
-    @functools.wraps(init)
-    def checked_init(self, module: nn.Module, *args, **kwargs):
-        from ..tensor.ragged_tensor import bucket_of, is_sharded
-
-        sharded = next((p for p in module.parameters() if is_sharded(p)), None)
-        if sharded is not None:
-            raise ValueError(
-                f"{wrapper_name} was asked to wrap {type(module).__name__}, whose parameters fsdp_pass has sharded "
-                f"(e.g. {bucket_of(sharded)[1]!r}); fsdp_pass already synchronizes gradients: do not wrap the model "
-                f"in DistributedDataParallel or FSDP. Frameworks that wrap by themselves have a recipe in "
-                f"docs/integrations.md (Hugging Face Trainer / accelerate, Lightning, torchtitan)"
-            )
-        init(self, module, *args, **kwargs)
-
-    return checked_init
+def refuse_sharded_module(wrapper_name: str, module: nn.Module) -> None:
+    """Raise if ``module`` (handed to DDP or FSDP1's constructor) holds parameters fsdp_pass has sharded."""
+    sharded = next((p for p in module.parameters() if is_sharded(p)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"{wrapper_name} was asked to wrap {type(module).__name__}, whose parameters fsdp_pass has sharded "
+            f"(e.g. {bucket_of(sharded)[1]!r}); fsdp_pass already synchronizes gradients: do not wrap the model "
+            f"in DistributedDataParallel or FSDP. Frameworks that wrap by themselves have a recipe in "
+            f"docs/integrations.md (Hugging Face Trainer / accelerate, Lightning, torchtitan)"
+        )
 
 
-def _refusing_sharded_parameters(verify):
-    @functools.wraps(verify)
-    def checked_verify(name: str, param, *args, **kwargs):
-        from ..tensor.ragged_tensor import bucket_of, is_sharded
-
-        if is_sharded(param):
-            raise ValueError(
-                f"FSDP2's fully_shard was asked to manage parameter {bucket_of(param)[1]!r} (shape "
-                f"{tuple(param.shape)}), which fsdp_pass has sharded; fsdp_pass already shards the parameters and "
-                f"synchronizes gradients: do not also call torch.distributed.fsdp.fully_shard on the model (use "
-                f"fsdp_pass.fully_shard or torch.compile(model, backend='vescale') alone; frameworks that apply "
-                f"FSDP2 by themselves have a recipe in docs/integrations.md)"
-            )
-        return verify(name, param, *args, **kwargs)
-
-    return checked_verify
+def refuse_sharded_parameter(param) -> None:
+    """Raise if ``param`` (one FSDP2's ``fully_shard`` would manage) is sharded by fsdp_pass."""
+    if is_sharded(param):
+        raise ValueError(
+            f"FSDP2's fully_shard was asked to manage parameter {bucket_of(param)[1]!r} (shape "
+            f"{tuple(param.shape)}), which fsdp_pass has sharded; fsdp_pass already shards the parameters and "
+            f"synchronizes gradients: do not also call torch.distributed.fsdp.fully_shard on the model (use "
+            f"fsdp_pass.fully_shard or torch.compile(model, backend='vescale') alone; frameworks that apply "
+            f"FSDP2 by themselves have a recipe in docs/integrations.md)"
+        )

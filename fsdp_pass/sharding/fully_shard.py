@@ -16,6 +16,7 @@ from .materialize import shard_parameters
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh
 from ..buckets.uninitialized import check_meta_buffers_before_forward
+from ..interop.module_apply import keep_shards_on_apply
 
 __all__ = ["fully_shard"]
 
@@ -95,6 +96,7 @@ def fully_shard(
     except BaseException:
         meta.restore_buffers()
         raise
+    keep_shards_on_apply(module)  # [Note: Module._apply on sharded parameters]
     fp8.record_left_out(named)
     for buf in new:
         buf.apply_settings(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

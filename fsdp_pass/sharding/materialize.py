@@ -38,8 +38,7 @@ from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
 from ..interop.mixed_lists import install_mixed_list_handlers
 from ..interop.state_dict import install_state_dict_api
 from ..interop.torch_patches import install_full_state_dict_gather
-from ..interop.module_apply import install_module_apply
-from ..interop.wrapper_check import install_wrapper_check
+from ..interop.torch_patches import install_wrapper_refusals
 from ..step.sync_check import install_plain_gradient_check
 from ..buckets.mesh import ShardingMesh
 from ..tensor.ragged_tensor import (RaggedLocalDTensor, _holds_real_pieces, local_block, over_pieces, ragged_part,
@@ -90,8 +89,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
     register_for_foreach_defaults()
     install_plain_gradient_check()  # [Note: parameters left out of sharding]
     install_list_kernels_for_sharded_parameters()  # [Note: list kernels for sharded parameters]
-    install_module_apply()  # [Note: Module._apply on sharded parameters]
-    install_wrapper_check()  # [Note: wrappers around a sharded model]
+    install_wrapper_refusals()  # [Note: wrappers around a sharded model]
     if any(isinstance(p, DTensor) for plan in plans for p in plan.params.values()):
         install_mixed_list_handlers()  # [Note: list ops mixing DTensor and RaggedShard parameters]
         _install_whole_random_fills()  # [Note: random init of FSDP-over-TP parameters]

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ...quant import BLOCK_QUANTIZE_OPS  # importing registers the ops
 
-__all__ = ["ParamSite", "find_parameters", "graph_block_rows"]
+__all__ = ["ParamSite", "dynamo_source", "find_parameters", "graph_block_rows"]
 
 
 
@@ -45,10 +45,16 @@ class ParamSite:
 _SOURCE_PART = re.compile(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)")
 
 
-def _qualified_name(node: fx.Node) -> str:
+def dynamo_source(node: fx.Node):
+    """Where Dynamo read a placeholder's value in the traced frame (``L['self']._modules[...]...``), or None."""
     source = getattr(node, "_dynamo_source", None)
     if source is None and "grapharg" in node.meta:
         source = node.meta["grapharg"].source
+    return source
+
+
+def _qualified_name(node: fx.Node) -> str:
+    source = dynamo_source(node)
     name = getattr(source, "name", None)
     text = (name() if callable(name) else name) if name is not None else node.name
     text = re.sub(r"^L\['[^']+'\]", "", text)  # drop the root (L['self'], L['fn'], ...)

@@ -13,16 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch.nn as nn
+from torch._dynamo.symbolic_convert import InstructionTranslator
+
 from ...sharding.blocks import block_size
 from ...options import Options
 from ...buckets.dbuffer import DBuffer, is_unsharded
 from ...tensor.ragged_tensor import bucket_of
 from ...buckets.mesh import check_mesh_is_current
+from ...interop.module_apply import keep_shards_on_apply
 from ...sharding.buckets import ShardingConfig
 from ...sharding.fp8_select import lcm_blocks, plan_fp8
 from ...sharding.materialize import shard_parameters
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
-from .detect import ParamSite, graph_block_rows
+from .detect import ParamSite, dynamo_source, graph_block_rows
 
 __all__ = ["Sharded", "shard_sites"]
 
@@ -50,6 +54,8 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
     new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     fp8.record_left_out(named)
+    for root in _traced_modules(sites):
+        keep_shards_on_apply(root)  # [Note: Module._apply on sharded parameters]
     buckets = {s.name: bucket_of(s.param) for s in sites}
     for buf, _ in buckets.values():
         check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
@@ -57,3 +63,26 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
         for buf, _ in buckets.values():
             buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return Sharded(buckets, new)
+
+def _traced_modules(sites: Sequence[ParamSite]) -> list[nn.Module]:
+    """The outermost modules the traced frame reached the graph's parameters through (``L['self']``, a global
+    model, a closure's), resolved from Dynamo's sources; none when the backend runs outside Dynamo."""
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return []
+    found: dict[int, nn.Module] = {}
+    for site in sites:
+        source = dynamo_source(site.node)
+        chain = []
+        while source is not None:
+            chain.append(source)
+            source = getattr(source, "base", None)
+        for link in reversed(chain):  # from the frame's local or global inwards
+            try:
+                value = tx.output.resolve_source_value(link)
+            except Exception:  # read through one of Dynamo's own helpers, like every link inside it
+                break
+            if isinstance(value, nn.Module):
+                found.setdefault(id(value), value)
+                break
+    return list(found.values())
