@@ -10,7 +10,6 @@ import ast
 import pathlib
 import re
 
-import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fsdp_pass"
 

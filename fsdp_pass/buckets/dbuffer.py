@@ -403,7 +403,7 @@ def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor) -> bool:
     if grad is None:
         return False
     piece = ragged_part(grad)
-    return isinstance(piece, RaggedShardTensor) and piece._local._base is buffer
+    return isinstance(piece, RaggedShardTensor) and piece.piece._base is buffer
 
 
 def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:

@@ -128,7 +128,7 @@ def flatten_states(optimizer: torch.optim.Optimizer) -> None:
                 part = ragged_part(value) if isinstance(value, torch.Tensor) else None
                 if not isinstance(part, RaggedShardTensor) or not part.is_floating_point():
                     continue
-                found = flat_buffers.slot_of(part._local)
+                found = flat_buffers.slot_of(part.piece)
                 if found is not None and found[1] == slot and found[0].slots is slots:
                     if found[0].is_state:
                         homes.setdefault((buf, key, part.dtype), set()).add(found[0])
@@ -151,6 +151,6 @@ def flatten_states(optimizer: torch.optim.Optimizer) -> None:
 def _moved(value: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     """``value`` (RaggedShard, or a DTensor around one) with its piece copied into ``piece``, same type."""
     part = ragged_part(value)
-    piece.copy_(part._local)
+    piece.copy_(part.piece)
     moved = RaggedShardTensor(piece, part._spec)
     return over_pieces(moved, value._spec) if isinstance(value, DTensor) else moved

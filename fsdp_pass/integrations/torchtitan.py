@@ -167,7 +167,7 @@ class ModelWrapper(_checkpointer_base.ModelWrapper):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding ``t``'s data on this rank."""
     while isinstance(t, (DTensor, RaggedShardTensor)):
-        t = t._local_tensor if isinstance(t, DTensor) else t._local
+        t = t._local_tensor if isinstance(t, DTensor) else t.piece
     return t
 
 

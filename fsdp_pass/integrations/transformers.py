@@ -61,7 +61,7 @@ import transformers
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..tensor.ragged_tensor import is_sharded
-from ..interop.state_dict import _whole_values, get_full_state_dict
+from ..interop.state_dict import get_full_state_dict, whole_optimizer_state
 from .accelerate import _prepare_model, _refuse_compile_wrapper
 
 __all__ = ["Trainer"]
@@ -111,7 +111,7 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # [Note: the Trainer saves on the main process only]; the Trainer's plain (non-DeepSpeed/FSDP/XLA) branch.
-        state = _whole_optimizer_state(self.optimizer, keep=self.args.should_save)
+        state = whole_optimizer_state(self.optimizer.state_dict(), keep=self.args.should_save)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
@@ -133,13 +133,3 @@ def _check_training_arguments(args: transformers.TrainingArguments) -> None:
                 f"{_CALLER}: TrainingArguments({name}=...) has accelerate shard or wrap the model, which fsdp_pass "
                 f"already shards; leave fsdp and deepspeed unset (docs/integrations.md, Hugging Face Trainer)"
             )
-
-
-def _whole_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[str, Any] | None:
-    """``optimizer.state_dict()`` with every sharded state gathered whole on the CPU; ``None`` unless ``keep``.
-
-    A collective: every rank calls it (the optimizer's state dict lists the states in the same order on every rank).
-    """
-    packed = optimizer.state_dict()
-    states = _whole_values(packed["state"], offload=True, keep=keep)
-    return {**packed, "state": states} if keep else None

@@ -41,14 +41,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..tensor.ragged_tensor import RaggedShardTensor, local_block, over_pieces, whole_tensor
+from ..tensor.ragged_tensor import RaggedShardTensor, holds_pieces, local_block, over_pieces, whole_tensor
 
 __all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type",
+           "whole_optimizer_state",
            "whole_tensor"]
-
-
-def _is_distributed(t: torch.Tensor) -> bool:
-    return isinstance(t, (RaggedShardTensor, DTensor))
 
 
 def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True,
@@ -65,7 +62,7 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True,
     keep = not rank0_only or _first_rank_of_model(module)
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
-        whole = whole_tensor(value) if _is_distributed(value) else value.detach()
+        whole = whole_tensor(value) if isinstance(value, (RaggedShardTensor, DTensor)) else value.detach()
         if keep:
             out[name] = whole.cpu() if cpu_offload else whole
     return out
@@ -152,11 +149,19 @@ def set_state_dict_type(model: nn.Module, state_dict_type: str, *, optimizers: S
             state_dict.update(whole(dict(state_dict)))
 
     def optimizer_hook(optimizer, state_dict):
-        return {**state_dict, "state": whole(state_dict["state"])}
+        return whole_optimizer_state(state_dict, offload=cpu_offload)
 
     module.__dict__[_FULL_HOOK] = module.register_state_dict_post_hook(model_hook)
     for optimizer in optimizers:
         optimizer.__dict__[_FULL_HOOK] = optimizer.register_state_dict_post_hook(optimizer_hook)
+
+
+def whole_optimizer_state(state_dict: dict[str, Any], *, offload: bool = True, keep: bool = True) -> dict[str, Any] | None:
+    """An optimizer's ``state_dict()`` with every sharded state gathered whole (``offload``: on the CPU);
+    ``None`` unless ``keep`` (a rank that will not write). A collective: every rank calls it (the states
+    are listed in the same order on every rank)."""
+    states = _whole_values(state_dict["state"], offload=offload, keep=keep)
+    return {**state_dict, "state": states} if keep else None
 
 
 def _whole_values(tree: Any, *, offload: bool = False, keep: bool = True) -> Any:
@@ -167,7 +172,7 @@ def _whole_values(tree: Any, *, offload: bool = False, keep: bool = True) -> Any
     at once, so it never holds more than one whole value.
     """
     if isinstance(tree, torch.Tensor):
-        value = whole_tensor(tree) if _holds_pieces(tree) else tree
+        value = whole_tensor(tree) if holds_pieces(tree) else tree
         if not keep:
             return None
         return value.cpu() if offload else value
@@ -178,14 +183,9 @@ def _whole_values(tree: Any, *, offload: bool = False, keep: bool = True) -> Any
     return tree
 
 
-def _holds_pieces(t: torch.Tensor) -> bool:
-    return isinstance(t, RaggedShardTensor) or (
-        isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor))
-
-
 def _piece_of_whole_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """A whole optimizer state of sharded ``param`` as this rank's piece, in the parameter's layout."""
-    if _holds_pieces(value) or value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
+    if holds_pieces(value) or value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
         return value
     if isinstance(param, DTensor):
         block = local_block(value, param._spec)

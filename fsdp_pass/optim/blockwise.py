@@ -144,8 +144,8 @@ def run_on_whole_blocks(
         if job.is_composed:
             result = _on_fsdp_root(job, whole, root, compute)
         else:
-            result = compute(job.param, whole._local, whole._spec)
-        outputs[i] = _wrap(result, layout, on_root).redistribute(layout.placement)._local
+            result = compute(job.param, whole.piece, whole._spec)
+        outputs[i] = _wrap(result, layout, on_root).redistribute(layout.placement).piece
         gathered.append(job)
     return outputs, gathered
 
@@ -160,9 +160,9 @@ def _on_fsdp_root(job: BlockJob, whole: RaggedShardTensor, root: int, compute: B
     """A TP/EP parameter gathered to FSDP rank ``root``: there its TP/EP group (the ranks of the same
     FSDP coordinate) all-gathers the global tensor, computes, and keeps its own block."""
     if whole._spec.rank != root:
-        return compute(job.param, whole._local, whole._spec)  # nothing held here: an empty piece
+        return compute(job.param, whole.piece, whole._spec)  # nothing held here: an empty piece
     spec = job.param._spec
-    local = DTensor.from_local(whole._local.view(whole._spec.shape), spec.mesh, spec.placements, run_check=False,
+    local = DTensor.from_local(whole.piece.view(whole._spec.shape), spec.mesh, spec.placements, run_check=False,
                                shape=spec.shape, stride=spec.stride)
     result = compute(job.param, local.full_tensor().reshape(-1), None).view(spec.shape)
     return local_block(result, spec).reshape(-1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -23,9 +22,9 @@ from .parallel_rules import composed_mesh_and_parameters
 from ..buckets.dbuffer import DBuffer
 from ..sharding.blocks import block_elements
 from ..options import Fp8Options
-from ..sharding.fp8_select import lcm_blocks, select_fp8_weights
+from ..sharding.fp8_select import plan_fp8
 from ..sharding.buckets import ShardingConfig, unit_key
-from ..sharding.materialize import shard_parameters
+from ..sharding.materialize import shard_with_blocks
 from ..sharding.mesh_roles import resolve_mesh
 from ..testing.fake_pg import fake_process_group
 
@@ -331,12 +330,8 @@ def plan_model(
             mesh, distinct = composed_mesh_and_parameters(mesh_shape, tp, ep, distinct)
             blocks.update({n: block_elements(tuple(p._local_tensor.shape), block_rows)
                            for n, p in distinct if hasattr(p, "_local_tensor")})
-        fp8_tiles = {}
-        if fp8:
-            chosen, _ = select_fp8_weights(distinct, Fp8Options())
-            blocks = lcm_blocks(blocks, chosen)
-            fp8_tiles = {n: Fp8Options().tile for n in chosen}
-        buffers = shard_parameters(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks, fp8_tiles)
+        fp8_plan = plan_fp8(distinct, Fp8Options() if fp8 else None, "--fp8")
+        buffers = shard_with_blocks(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks, fp8_plan)
         stats = [
             BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
                         buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad, _split(buf),

@@ -170,7 +170,7 @@ def quantize_sharded(
             f"({panel} elements), so a rank would quantize part of a tile; shard it with set_block(weight, "
             f"rows={tile}) or block_sizes={{name: {tile}}}, or quantize weight.full_tensor()"
         )
-    local = weight._local.view(-1, cols)
+    local = weight.piece.view(-1, cols)
     quantized, scale_inv = quantize(local, tile)
     grid = _tile_grid(rows, cols, tile)
     # One block of the scale grid is one row of tile scales, i.e. one panel.

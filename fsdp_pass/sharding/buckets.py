@@ -7,14 +7,12 @@ turns the plans into DBuffers.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .blocks import block_for_placements
 from ..planner import Layout, TensorSpec, plan_buckets

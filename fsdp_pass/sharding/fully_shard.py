@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .blocks import block_size
 from ..options import Fp8Options, check_mp_dtype, mp_policy_dtypes
 from .buckets import ShardingConfig, check_one_device
-from .fp8_select import lcm_blocks, plan_fp8
-from .materialize import shard_parameters
+from .fp8_select import plan_fp8
+from .materialize import shard_with_blocks
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh
 from ..buckets.uninitialized import check_meta_buffers_before_forward
@@ -90,14 +90,12 @@ def fully_shard(
     meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
     meta.prepare_buffers()
     try:
-        new = shard_parameters(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, param_dtype,
-                                                                    min_bucket_bytes),
-                               lcm_blocks(blocks, fp8.blocks), fp8.tiles)
+        new = shard_with_blocks(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, param_dtype,
+                                                                     min_bucket_bytes), blocks, fp8)
     except BaseException:
         meta.restore_buffers()
         raise
     keep_shards_on_apply(module)  # [Note: Module._apply on sharded parameters]
-    fp8.record_left_out(named)
     for buf in new:
         buf.apply_settings(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     meta.run()

@@ -41,9 +41,10 @@ from ..interop.torch_patches import install_full_state_dict_gather
 from ..interop.torch_patches import install_wrapper_refusals
 from ..step.sync_check import install_plain_gradient_check
 from ..buckets.mesh import ShardingMesh
-from ..tensor.ragged_tensor import (RaggedLocalDTensor, _holds_real_pieces, local_block, over_pieces, ragged_part,
+from ..tensor.ragged_tensor import (RaggedLocalDTensor, holds_pieces, local_block, over_pieces, ragged_part,
                                      register_for_foreach_defaults)
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
+from .fp8_select import Fp8Plan, lcm_blocks
 from .mesh_roles import ParallelMesh
 from ..tensor.swap import check_swappable, swap_in_place
 
@@ -150,7 +151,7 @@ def _dtensor_default(op, args: tuple, kwargs: dict):
 
 
 def _over_pieces(t, args: tuple, kwargs: dict) -> bool:
-    return (isinstance(t, DTensor) and _holds_real_pieces(t)
+    return (isinstance(t, DTensor) and holds_pieces(t, real=True)
             and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())))
 
 
@@ -171,7 +172,7 @@ def _fill_whole(op, args: tuple, kwargs: dict):
     if not _over_pieces(dst, args, kwargs):
         return _dtensor_default(op, args, kwargs)
     local = dst._local_tensor
-    whole = torch.empty(dst.shape, dtype=dst.dtype, device=local._local.device)
+    whole = torch.empty(dst.shape, dtype=dst.dtype, device=local.piece.device)
     op(whole, *args[1:], **kwargs)
     torch.ops.aten.copy_.default(local, local_block(whole, dst._spec))
     return dst
@@ -214,3 +215,12 @@ def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
         sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
         swap_in_place(p, sharded)
     buf.adopt(name, p)
+
+
+def shard_with_blocks(named: list[tuple[str, nn.Parameter]], mesh: ShardingMesh, config: ShardingConfig,
+                      blocks: Mapping[str, int], fp8: Fp8Plan) -> list[DBuffer]:
+    """The sharding sequence ``fully_shard``, pass 2 and the planning CLI share: each FP8 weight's block
+    made whole tile panels, buckets planned and materialized, left-out FP8 candidates told to their bucket."""
+    new = shard_parameters(named, mesh, config, lcm_blocks(dict(blocks), fp8.blocks), fp8.tiles)
+    fp8.record_left_out(named)
+    return new

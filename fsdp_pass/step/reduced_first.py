@@ -54,4 +54,4 @@ def step_reduced_first(optimizer: torch.optim.Optimizer) -> None:
 def _reducing(grad: torch.Tensor | None) -> bool:
     """Whether ``grad`` (a parameter's ``.grad``) views a gradient whose reduce-scatter is still in flight."""
     piece = None if grad is None else ragged_part(grad)
-    return isinstance(piece, RaggedShardTensor) and is_in_flight(piece._local)
+    return isinstance(piece, RaggedShardTensor) and is_in_flight(piece.piece)

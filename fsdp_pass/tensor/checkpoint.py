@@ -94,17 +94,17 @@ def _plan_save_box(tensor):
         if not boxes:
             return None
         (offsets, sizes, _), = boxes
-        return offsets, sizes, 0, tensor._local.new_empty(0)
+        return offsets, sizes, 0, tensor.piece.new_empty(0)
     inner = math.prod(shape[1:])
     ranges = spec.placement.ranges()
     tails = [(end_r, hi * inner) if hi > lo else (0, 0) for (_, end_r), (lo, hi) in zip(ranges, rows)]
-    tail = tensor._local.new_empty(0)
+    tail = tensor.piece.new_empty(0)
     if any(b > a for a, b in tails):
         me = spec.rank
         send = [_overlap(ranges[me], t) for t in tails]
         recv = [_overlap(r, tails[me]) for r in ranges]
         # A rank sends at most the start of its piece, to the one rank writing the slice it starts in.
-        tail = collectives.all_to_all_uneven(tensor._local[: sum(send)], send, recv, spec.group)
+        tail = collectives.all_to_all_uneven(tensor.piece[: sum(send)], send, recv, spec.group)
     lo, hi = rows[spec.rank]
     if hi <= lo:
         return None
@@ -164,7 +164,7 @@ def create_write_items(fqn: str, tensor) -> list[WriteItem]:
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
                 chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                properties=TensorProperties.create_from_tensor(tensor._local),
+                properties=TensorProperties.create_from_tensor(tensor.piece),
                 size=_global_shape(tensor),
             ),
         )
@@ -183,10 +183,10 @@ def get_tensor_shard(tensor, index: MetadataIndex) -> torch.Tensor:
     box = getattr(tensor, _SAVE_BOX, None)
     if box is not None and torch.Size(box[0]) == index.offset:
         _, sizes, head, tail = box
-        piece = tensor._local[head:]
+        piece = tensor.piece[head:]
         data = torch.cat([piece, tail]) if tail.numel() else piece
         return data.view(sizes)
     for offsets, sizes, start in _boxes(tensor):
         if torch.Size(offsets) == index.offset:
-            return tensor._local[start:start + math.prod(sizes)].view(sizes)
+            return tensor.piece[start:start + math.prod(sizes)].view(sizes)
     raise ValueError(f"{index.fqn}: this rank holds no box at offset {tuple(index.offset)}")

@@ -41,7 +41,7 @@ aten = torch.ops.aten
 def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
     """Run ``func`` on RaggedShard arguments: the first case that applies handles it."""
     if in_flight.any_in_flight():  # [Note: the last reduce-scatter overlaps the optimizer step]
-        in_flight.settle_read(t._local for t in tree_flatten((args, kwargs))[0] if isinstance(t, RaggedShardTensor))
+        in_flight.settle_read(t.piece for t in tree_flatten((args, kwargs))[0] if isinstance(t, RaggedShardTensor))
     call = _OpCall(func, args, kwargs or {})
     if _is_model_code_on_fake_pieces(call):
         return _run_on_full_shape_stand_ins(call)
@@ -62,12 +62,6 @@ def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
     if call.pieces_are_fake:
         return _run_on_full_shape_stand_ins(call)
     raise _unsupported(call)
-
-
-def is_eager_gatherable(t: torch.Tensor) -> bool:
-    """Whether dispatch may replace ``t`` by its whole value: a sharded parameter, or the local piece
-    of a sharded TP/EP DTensor parameter (its whole value is the parameter's local block)."""
-    return isinstance(t, RaggedShardTensor) and is_sharded(t)
 
 
 def _whole_parameter(p: RaggedShardTensor) -> torch.Tensor:
@@ -100,7 +94,7 @@ class _OpCall:
         """Whether a RaggedShard argument holds a FakeTensor piece: tracing, not real data."""
         if self._pieces_are_fake is None:
             self._pieces_are_fake = any(
-                isinstance(t, RaggedShardTensor) and isinstance(t._local, FakeTensor) for t in self.leaves
+                isinstance(t, RaggedShardTensor) and isinstance(t.piece, FakeTensor) for t in self.leaves
             )
         return self._pieces_are_fake
 
@@ -137,7 +131,7 @@ class _OpCall:
                 value = self.bound.get(arg.name)
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if isinstance(t, RaggedShardTensor):
-                        written.append(t._local)
+                        written.append(t.piece)
         torch.autograd.graph.increment_version(written)  # one call for a whole optimizer list
 
     def run_with_replaced(self, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
@@ -172,7 +166,7 @@ def _is_eager_model_code(call: _OpCall) -> bool:
     if call.func._schema.is_mutable or _is_per_tensor_list_op(call) or call.pieces_are_fake:
         return False  # cheap checks first: optimizer list ops must not pay for flattening their lists
     ragged = [t for t in call.leaves if isinstance(t, RaggedShardTensor)]
-    if not all(map(is_eager_gatherable, ragged)):
+    if not all(map(is_sharded, ragged)):
         return False
     return _mixes_with_plain_tensors(call) or not _keeps_layout(call)
 
@@ -261,7 +255,7 @@ def _unsupported(call: _OpCall) -> NotImplementedError:
 
 def _describe(t: RaggedShardTensor) -> str:
     """A piece's layout, led by its parameter's name when it is a sharded parameter."""
-    return f"parameter {bucket_of(t)[1]!r}: {t._spec.describe()}" if is_eager_gatherable(t) else t._spec.describe()
+    return f"parameter {bucket_of(t)[1]!r}: {t._spec.describe()}" if is_sharded(t) else t._spec.describe()
 
 
 def _unwrap(tree: Any) -> Any:
@@ -272,12 +266,12 @@ def _unwrap(tree: Any) -> Any:
     small model's optimizer step.
     """
     if isinstance(tree, RaggedShardTensor):
-        return tree._local
+        return tree.piece
     if isinstance(tree, list):
         return [_unwrap(x) if isinstance(x, (RaggedShardTensor, list)) else x for x in tree]
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(_unwrap(x) if isinstance(x, (RaggedShardTensor, list, tuple, dict)) else x for x in tree)
-    return tree_map_only(RaggedShardTensor, lambda t: t._local, tree)
+    return tree_map_only(RaggedShardTensor, lambda t: t.piece, tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +286,7 @@ def _run_on_full_shape_stand_ins(call: _OpCall) -> Any:
     vescale backend then replaces every parameter use by a view of the gathered bucket, so these
     stand-ins never reach a compiled graph. Only fake pieces take this path: real data still raises.
     """
-    return call.run_with_replaced(lambda t: t._local.new_empty(t.shape, dtype=t.dtype))
+    return call.run_with_replaced(lambda t: t.piece.new_empty(t.shape, dtype=t.dtype))
 
 
 def _collective_on_whole_tensors(call: _OpCall) -> Any:
@@ -444,7 +438,7 @@ def _copy_(call: _OpCall) -> RaggedShardTensor:
         )
     if isinstance(src, RaggedShardTensor):
         _shared_spec(func, [dst, src])
-        piece = src._local
+        piece = src.piece
     elif src.dim() == 0:
         piece = src
     elif src.shape == dst.shape:
@@ -455,7 +449,7 @@ def _copy_(call: _OpCall) -> RaggedShardTensor:
             f"{_op_name(func)}: cannot copy a plain tensor of shape {tuple(src.shape)} into a RaggedShardTensor "
             f"({dst._spec.describe()}); pass the full tensor (same shape) or a 0-dim scalar"
         )
-    aten.copy_.default(dst._local, piece, bound["non_blocking"])
+    aten.copy_.default(dst.piece, piece, bound["non_blocking"])
     call.count_writes()
     return dst
 
@@ -512,11 +506,11 @@ def _global_norms(tensors: list[RaggedShardTensor], ord: float, dtype: torch.dty
     """
     ord = float(ord)
     partials = torch.full(
-        (len(tensors),), math.inf if ord == -math.inf else 0.0, dtype=torch.float64, device=tensors[0]._local.device
+        (len(tensors),), math.inf if ord == -math.inf else 0.0, dtype=torch.float64, device=tensors[0].piece.device
     )
-    held = [i for i, t in enumerate(tensors) if t._local.numel() > 0]
+    held = [i for i, t in enumerate(tensors) if t.piece.numel() > 0]
     if held:
-        local_norms = aten._foreach_norm.Scalar([tensors[i]._local for i in held], ord, dtype)
+        local_norms = aten._foreach_norm.Scalar([tensors[i].piece for i in held], ord, dtype)
         local = torch.stack(local_norms).to(torch.float64)
         partials[held] = local if ord in (0.0, math.inf, -math.inf) else local**ord
     group = tensors[0]._spec.group
@@ -545,7 +539,7 @@ def _all_reduce_extremum(values: torch.Tensor, group: ProcessGroup | None, op: s
 def _sum(call: _OpCall) -> torch.Tensor:
     _require_full_reduction(call)
     x = call.bound["self"]
-    total = aten.sum.default(x._local, dtype=call.bound["dtype"])
+    total = aten.sum.default(x.piece, dtype=call.bound["dtype"])
     return _keep_dims(collectives.all_reduce_(total, x._spec.group, "sum"), x, call.bound.get("keepdim", False))
 
 
@@ -556,7 +550,7 @@ def _extremum(call: _OpCall) -> torch.Tensor:
     if x.numel() == 0:
         return call.run_on_pieces()  # torch's own error for an empty tensor
     op = "max" if call.func.overloadpacket in (aten.max, aten.amax) else "min"
-    local = x._local
+    local = x.piece
     if local.numel() == 0:
         value = torch.full((), _reduction_identity(x.dtype, op), dtype=x.dtype, device=local.device)
     else:
@@ -578,7 +572,7 @@ def _any_or_all(call: _OpCall) -> torch.Tensor:
     _require_full_reduction(call)
     x = call.bound["self"]
     is_any = call.func.overloadpacket is aten.any
-    local = (aten.any.default if is_any else aten.all.default)(x._local).to(torch.int32)
+    local = (aten.any.default if is_any else aten.all.default)(x.piece).to(torch.int32)
     verdict = collectives.all_reduce_(local, x._spec.group, "max" if is_any else "min")
     return _keep_dims(verdict.to(torch.bool), x, call.bound.get("keepdim", False))
 
@@ -598,10 +592,10 @@ def _fill_randomly(call: _OpCall) -> RaggedShardTensor:
     dst = call.args[0]
     if not isinstance(dst, RaggedShardTensor) or any(isinstance(t, RaggedShardTensor) for t in call.leaves[1:]):
         raise _unsupported(call)
-    whole = torch.empty(dst.shape, dtype=dst.dtype, device=dst._local.device)
+    whole = torch.empty(dst.shape, dtype=dst.dtype, device=dst.piece.device)
     call.func(whole, *call.args[1:], **call.kwargs)
     start, end = dst._spec.local_range
-    aten.copy_.default(dst._local, whole.view(-1)[start:end])
+    aten.copy_.default(dst.piece, whole.view(-1)[start:end])
     call.count_writes()
     return dst
 
@@ -610,7 +604,7 @@ def _part(x: RaggedShardTensor, start: int, end: int, shape: Sequence[int]) -> R
     """Flat elements ``[start, end)`` of ``x`` as a RaggedShard tensor of ``shape`` (a view of the piece)."""
     spec = x._spec
     if (start, end) == (0, x.numel()) and tuple(shape) == tuple(spec.shape):
-        return RaggedShardTensor(x._local, spec)  # the same tensor: an alias (DTensor.to_local's view_as)
+        return RaggedShardTensor(x.piece, spec)  # the same tensor: an alias (DTensor.to_local's view_as)
     if spec.global_shape is not None:
         raise NotImplementedError(
             f"cannot split or reshape the RaggedShard local tensor of a tensor/expert-parallel DTensor "
@@ -619,7 +613,7 @@ def _part(x: RaggedShardTensor, start: int, end: int, shape: Sequence[int]) -> R
     held_start, held_end = spec.local_range  # this rank's piece in the flat tensor
     a, b = (min(max(v, held_start), held_end) for v in (start, end))
     placement = spec.placement if (start, end) == (0, x.numel()) else spec.placement.sub_range(start, end)
-    piece = x._local[a - held_start:b - held_start]
+    piece = x.piece[a - held_start:b - held_start]
     return RaggedShardTensor(piece, RaggedSpec(torch.Size(shape), placement, spec.mesh, spec.mesh_dim))
 
 
@@ -675,11 +669,11 @@ def _detach(call: _OpCall) -> RaggedShardTensor:
     ``p.detach()`` and recomputes the forward with it eagerly, which gathers it like the parameter
     ([Note: eager calls on sharded parameters])."""
     t = call.bound["self"]
-    out = RaggedShardTensor(t._local, t._spec)
+    out = RaggedShardTensor(t.piece, t._spec)
     if not call.pieces_are_fake:  # state_dict() values are detached parameters: messages still name them
-        if is_eager_gatherable(t):
+        if is_sharded(t):
             out.__dict__[BUCKET_ATTR] = t.__dict__[BUCKET_ATTR]
-        name = bucket_of(t)[1] if is_eager_gatherable(t) else t.__dict__.get(PARAMETER_NAME)
+        name = bucket_of(t)[1] if is_sharded(t) else t.__dict__.get(PARAMETER_NAME)
         if name is not None:
             out.__dict__[PARAMETER_NAME] = name
     return out
@@ -688,7 +682,7 @@ def _detach(call: _OpCall) -> RaggedShardTensor:
 def _new_tensor(call: _OpCall) -> torch.Tensor:
     """``p.new_empty(shape)`` and its kin: a plain tensor of the given shape, with the piece's dtype
     and device (the op reads nothing else of ``p``; model inits build whole tensors this way)."""
-    return call.func(call.bound["self"]._local, *call.args[1:], **call.kwargs)
+    return call.func(call.bound["self"].piece, *call.args[1:], **call.kwargs)
 
 
 _SPECIAL_HANDLERS: dict[Any, Callable[[_OpCall], Any]] = {

@@ -158,7 +158,7 @@ def _slots_of(values: list | tuple) -> tuple[list[_Buffer | None], list[int]]:
     an optimizer step runs for each list argument of each op, so it is kept short."""
     get, buffers, slots = _slots.get, [], []
     for t in values:
-        piece = t._local if isinstance(t, RaggedShardTensor) else None
+        piece = t.piece if isinstance(t, RaggedShardTensor) else None
         entry = get(piece.data_ptr()) if type(piece) is torch.Tensor else None
         if (entry is not None and piece.numel() == entry[2] and piece.dtype is entry[0].dtype and piece.is_contiguous()
                 and piece.get_device() == entry[0].device_index):
@@ -263,7 +263,7 @@ class Runs:
         if not isinstance(first, RaggedShardTensor):
             return first
         if len(run) == 1:
-            return first._local
+            return first.piece
         return self.buffers[run[0][1]][self.ragged.index(name)].span(run[0][0], run[-1][0])
 
 
@@ -335,7 +335,7 @@ def plan_runs(func, bound: dict[str, Any]) -> Runs | None:
 
 
 def _is_empty_piece(t: Any) -> bool:
-    return isinstance(t, RaggedShardTensor) and not t._local.numel()
+    return isinstance(t, RaggedShardTensor) and not t.piece.numel()
 
 
 def _entry_value(t: Any) -> Any:

@@ -59,7 +59,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..placement import RaggedShard, transfer_splits
 from . import checkpoint, collectives, in_flight
 
-__all__ = ["BUCKET_ATTR", "RaggedLocalDTensor", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor",
+__all__ = ["BUCKET_ATTR", "RaggedLocalDTensor", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor", "holds_pieces",
            "is_sharded", "local_block", "over_pieces", "ragged_part", "register_for_foreach_defaults", "whole_tensor"]
 
 
@@ -176,6 +176,13 @@ class RaggedShardTensor(torch.Tensor):
             )
         # detach() aliases the same memory; it only keeps the piece out of autograd.
         return RaggedShardTensor(local.detach() if local.requires_grad else local, spec, requires_grad)
+
+    @property
+    def piece(self) -> torch.Tensor:
+        """This rank's flat piece as stored, read without side effects: no wait for a reduce-scatter still
+        writing it (:meth:`to_local` waits first). For layout, identity and bookkeeping; values that ops
+        read go through dispatch, which waits."""
+        return self._local
 
     def to_local(self) -> torch.Tensor:
         """This rank's flat piece (the stored tensor itself, not a copy)."""
@@ -319,14 +326,14 @@ class RaggedLocalDTensor(DTensor):
     __slots__ = ()  # DTensor's layout, so a parameter's class can be swapped in place
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        if _holds_real_pieces(self):
+        if holds_pieces(self, real=True):
             return _with_whole_local(self).full_tensor(grad_placements=grad_placements)
         return super().full_tensor(grad_placements=grad_placements)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
                      async_op: bool = False, forward_dtype: torch.dtype | None = None,
                      backward_dtype: torch.dtype | None = None) -> DTensor:
-        source = _with_whole_local(self) if _holds_real_pieces(self) else self
+        source = _with_whole_local(self) if holds_pieces(self, real=True) else self
         return DTensor.redistribute(source, device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype,
                                     backward_dtype=backward_dtype)
 
@@ -379,11 +386,14 @@ def _what(t: RaggedShardTensor) -> str:
 PARAMETER_NAME = "_fsdp_pass_parameter_name"
 
 
-def _holds_real_pieces(t: DTensor) -> bool:
-    if torch.compiler.is_compiling():  # Dynamo traces torch's own methods
+def holds_pieces(t: torch.Tensor, *, real: bool = False) -> bool:
+    """Whether ``t`` is a RaggedShard tensor or a DTensor whose local tensor is one (the one question
+    every "is this sharded by fsdp_pass" check asks). ``real``: and the piece holds data; the one real
+    difference, since tracing (fake or functional pieces, Dynamo) runs torch's own methods unchanged."""
+    part = t._local_tensor if isinstance(t, DTensor) else t
+    if not isinstance(part, RaggedShardTensor):
         return False
-    local = t._local_tensor
-    return isinstance(local, RaggedShardTensor) and not _is_traced(local._local)
+    return not real or not _is_traced(part._local)
 
 
 # On a sharded parameter (and the local piece of a sharded TP/EP DTensor parameter): (the bucket holding

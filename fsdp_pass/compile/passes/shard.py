@@ -23,8 +23,8 @@ from ...tensor.ragged_tensor import bucket_of
 from ...buckets.mesh import check_mesh_is_current
 from ...interop.module_apply import keep_shards_on_apply
 from ...sharding.buckets import ShardingConfig
-from ...sharding.fp8_select import lcm_blocks, plan_fp8
-from ...sharding.materialize import shard_parameters
+from ...sharding.fp8_select import plan_fp8
+from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, dynamo_source, graph_block_rows
 
@@ -52,8 +52,7 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
     fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
-    new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
-    fp8.record_left_out(named)
+    new = shard_with_blocks(named, mesh, config, blocks, fp8)
     for root in _traced_modules(sites):
         keep_shards_on_apply(root)  # [Note: Module._apply on sharded parameters]
     buckets = {s.name: bucket_of(s.param) for s in sites}
@@ -63,6 +62,7 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
         for buf, _ in buckets.values():
             buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return Sharded(buckets, new)
+
 
 def _traced_modules(sites: Sequence[ParamSite]) -> list[nn.Module]:
     """The outermost modules the traced frame reached the graph's parameters through (``L['self']``, a global
