@@ -67,7 +67,10 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
 def _traced_modules(sites: Sequence[ParamSite]) -> list[nn.Module]:
     """The outermost modules the traced frame reached the graph's parameters through (``L['self']``, a global
     model, a closure's), resolved from Dynamo's sources; none when the backend runs outside Dynamo."""
-    tx = InstructionTranslator.current_tx()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # this thread never traced a frame (the scale benchmark runs the passes directly)
+        return []
     if tx is None:
         return []
     found: dict[int, nn.Module] = {}
