@@ -43,6 +43,7 @@ per bucket per backward even if several graphs (graph breaks) use the bucket.
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -52,14 +53,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..placement import RaggedShard
 from ..planner import Layout
-from ..tensor import in_flight
-from ..tensor import flat_buffers
+from ..tensor import flat_buffers, in_flight
+from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
 from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .whole_values import whole_views
-from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
 
-__all__ = ["DBuffer", "buffers_of", "is_unsharded", "mark_unsharded", "pending_leaf"]
+__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "is_unsharded", "mark_unsharded", "pending_leaf"]
 
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
@@ -420,10 +420,14 @@ def _queue_flush(ref: weakref.ref) -> None:
     if buf is None or not buf.gradient_sync or buf._flush_queued:
         return
     buf._flush_queued = True
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(ref))
+    at_end_of_backward(ref, DBuffer.flush_pending)
 
 
-def _flush(ref: weakref.ref) -> None:
-    buf = ref()
-    if buf is not None:
-        buf.flush_pending()
+def at_end_of_backward(ref: weakref.ref, run: Callable[[DBuffer], None]) -> None:
+    """Queue ``run(bucket)`` for the end of the running backward (nothing if the bucket is gone by then)."""
+    def call() -> None:
+        buf = ref()
+        if buf is not None:
+            run(buf)
+
+    torch.autograd.Variable._execution_engine.queue_callback(call)

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..quant.fp8 import FP8, fp8_block_quantize
+
 __all__ = ["Fp8Gather", "GatherConfig", "gather_bucket", "gather_input", "hand_over", "reduce_gradient",
            "unpack_gathered"]
 
@@ -72,8 +74,6 @@ def fp8_pack_shard(shard: torch.Tensor, tile: int, scale_slots: int, pieces: lis
 
     ``pieces`` is flat ``(offset, panels, columns, scale offset)`` quadruples of this rank's pieces.
     """
-    from ..quant.fp8 import fp8_block_quantize
-
     codes = torch.zeros(_code_bytes(shard.numel()), dtype=torch.uint8, device=shard.device)
     scales = torch.ones(scale_slots, dtype=torch.float32, device=shard.device)
     for i in range(0, len(pieces), 4):
@@ -98,8 +98,6 @@ def fp8_unpack(gathered: torch.Tensor, world: int, shard_size: int, tile: int, s
 
     ``pieces`` is flat ``(rank, offset, panels, columns, scale offset)`` quintuples.
     """
-    from ..quant.fp8 import FP8
-
     code_bytes = _code_bytes(shard_size)
     packed = gathered.view(world, code_bytes + 4 * scale_slots)
     scales = packed[:, code_bytes:].contiguous().view(torch.float32)

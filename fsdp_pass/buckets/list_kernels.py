@@ -32,8 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..tensor import flat_buffers
-from ..tensor.ragged_tensor import bucket_of, is_sharded
-from ..tensor.ragged_tensor import RaggedShardTensor, over_pieces, ragged_part
+from ..tensor.ragged_tensor import RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
 
 __all__ = ["install_list_kernels_for_sharded_parameters"]
 

@@ -90,7 +90,8 @@ class ShardingMesh:
 
 
 def check_mesh_is_current(buf) -> None:
-    """[Note: wrappers around a sharded model] in interop/wrapper_check.py: raise if ``buf`` was sharded without a process group but one with several ranks exists now."""
+    """Raise if ``buf`` was sharded without a process group but one with several ranks exists now
+    ([Note: wrappers around a sharded model] in interop/wrapper_check.py)."""
     if buf.mesh.mesh is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
             f"parameter {buf.names[0]!r} was sharded over a single process (no process group existed when "

@@ -22,7 +22,7 @@ NaN (:func:`mark_pending`) and its name kept in its bucket's *pending* set
 parameter that is NaN everywhere. Pending names are checked only while some remain anywhere (one
 truth test of the set of buckets holding some, per call otherwise):
 
-* eager calls gather the bucket anyway (:func:`~fsdp_pass.eager.calls.whole_parameter`), so
+* eager calls gather the bucket anyway (:meth:`DBuffer.whole_parameter`, buckets/whole_values.py), so
   :func:`check_gathered` looks at the whole values, the same on every rank: no collective;
 * a compiled graph checks its buckets before it runs (:func:`check_buckets`): each rank flags the
   pending parameters whose non-empty piece is still all NaN, and a MAX all-reduce over the

@@ -28,18 +28,19 @@ _kept: deque[weakref.ref] = deque()  # buckets holding eager views, least recent
 def whole_views(buf) -> dict[str, torch.Tensor]:
     """Every parameter of ``buf`` (a DBuffer) as a view of its eagerly gathered global buffer."""
     version = buf.shard._version
-    if buf.whole_views is not None and buf.whole_views[0] == version:
-        _touch(buf)
-        return buf.whole_views[1]
-    check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
-    _forget(buf)
-    while len(_kept) >= KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
-        _drop(_kept.popleft())
-    views = buf.views(buf.all_gather(buf.compute_dtype))
-    check_gathered(buf, views)  # [Note: uninitialized shards]
-    buf.whole_views = (version, views)
+    cached = buf.whole_views
+    if cached is None or cached[0] != version:
+        check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
+        buf.whole_views = cached = None
+    _unlist(buf)  # it goes back at the most recently used end
+    if cached is None:
+        while len(_kept) >= KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
+            _drop(_kept.popleft())
+        views = buf.views(buf.all_gather(buf.compute_dtype))
+        check_gathered(buf, views)  # [Note: uninitialized shards]
+        buf.whole_views = cached = (version, views)
     _kept.append(weakref.ref(buf))
-    return views
+    return cached[1]
 
 
 def drop_gathered() -> None:
@@ -54,13 +55,7 @@ def _drop(ref: weakref.ref) -> None:
         buf.whole_views = None
 
 
-def _forget(buf) -> None:
-    buf.whole_views = None
+def _unlist(buf) -> None:
+    """Take ``buf``, and buckets already freed, off the kept list."""
     for ref in [r for r in _kept if r() is buf or r() is None]:
         _kept.remove(ref)
-
-
-def _touch(buf) -> None:
-    for ref in [r for r in _kept if r() is buf]:
-        _kept.remove(ref)
-        _kept.append(ref)

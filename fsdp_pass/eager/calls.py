@@ -8,13 +8,14 @@ blocks are compiled one by one) reaches ``RaggedShardTensor.__torch_dispatch__``
 whose pieces cannot answer a matmul or a broadcast. For those ops:
 
 * forward: dispatch (tensor/dispatch.py) runs the op on the parameters' whole values. The bucket
-  (``DBuffer.whole_parameter``, buckets/whole_values.py) all-gathers itself (in the compiled graphs' ``mp_policy`` param_dtype, so an eager head on a
-  compiled body's output computes in the same dtype) and keeps the last gathered bucket, keyed by
-  the shard's version counter (an optimizer step or any in-place write to a piece makes the copy stale). So the parameters of
-  a module unit cost one all-gather, and an eager forward holds the shards plus one gathered bucket
-  (two while the next is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd
-  records the op with the sharded parameter as its input and saves that (a piece), not the
-  gathered copy, and backward gathers again where its formulas need the weight.
+  (``DBuffer.whole_parameter``, buckets/whole_values.py) all-gathers itself (in the compiled graphs'
+  ``mp_policy`` param_dtype, so an eager head on a compiled body's output computes in the same
+  dtype) and keeps the last gathered bucket, keyed by the shard's version counter (an optimizer step
+  or any in-place write to a piece makes the copy stale). So the parameters of a module unit cost
+  one all-gather, and an eager forward holds the shards plus one gathered bucket (two while the next
+  is gathered), like FSDP2's reshard after forward. The gather is below autograd: autograd records
+  the op with the sharded parameter as its input and saves that (a piece), not the gathered copy,
+  and backward gathers again where its formulas need the weight.
 * backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
   (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
   ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds

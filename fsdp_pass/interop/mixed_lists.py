@@ -6,7 +6,7 @@ sharded parameters: DTensors (TP/EP) whose local tensors are RaggedShard pieces,
 RaggedShard tensors. Optimizers and ``clip_grad_norm_`` group tensors by device and dtype only, so one
 ``_foreach_*`` (or fused optimizer) call gets both kinds. Python dispatch goes to the first tensor's
 type: when a RaggedShard tensor leads, RaggedShard dispatch splits the list by kind
-(``ragged_dispatch.split_off_dtensor_entries``); when a DTensor leads, DTensor's dispatch refuses
+(``tensor/dispatch.py``'s ``split_off_dtensor_entries``); when a DTensor leads, DTensor's dispatch refuses
 the list ("got mixed torch.Tensor and DTensor"). That happens as soon as a TP parameter is the
 model's first (torchtitan's plans shard the embedding), and on GPUs, where ``foreach`` is the default.
 
@@ -32,7 +32,7 @@ _installed: list[Any] = []  # the list-op overloads handled (filled once per pro
 
 
 def _list_ops() -> list[Any]:
-    """Every overload RaggedShard dispatch runs as a list op (``ragged_dispatch.is_list_op``), from the
+    """Every overload RaggedShard dispatch runs as a list op (``tensor/dispatch.py``'s ``is_list_op``), from the
     registered schemas: ``dir(torch.ops.aten)`` lists only the ops resolved so far."""
     ops = []
     for schema in torch._C._jit_get_all_schemas():

@@ -41,7 +41,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..tensor.ragged_tensor import RaggedShardTensor, holds_pieces, local_block, over_pieces, whole_tensor
+from ..tensor.ragged_tensor import (RaggedShardTensor, bucket_of, holds_pieces, is_sharded, local_block, over_pieces,
+                                     whole_tensor)
 
 __all__ = ["get_full_state_dict", "install_state_dict_api", "set_full_state_dict", "set_state_dict_type",
            "whole_optimizer_state",
@@ -70,8 +71,6 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True,
 
 def _first_rank_of_model(module: nn.Module) -> bool:
     """Whether this rank is at coordinate 0 of every mesh the module's sharded parameters use."""
-    from ..tensor.ragged_tensor import bucket_of, is_sharded
-
     if not dist.is_initialized():
         return True
     meshes = {}
@@ -156,7 +155,8 @@ def set_state_dict_type(model: nn.Module, state_dict_type: str, *, optimizers: S
         optimizer.__dict__[_FULL_HOOK] = optimizer.register_state_dict_post_hook(optimizer_hook)
 
 
-def whole_optimizer_state(state_dict: dict[str, Any], *, offload: bool = True, keep: bool = True) -> dict[str, Any] | None:
+def whole_optimizer_state(state_dict: dict[str, Any], *, offload: bool = True,
+                          keep: bool = True) -> dict[str, Any] | None:
     """An optimizer's ``state_dict()`` with every sharded state gathered whole (``offload``: on the CPU);
     ``None`` unless ``keep`` (a rank that will not write). A collective: every rank calls it (the states
     are listed in the same order on every rank)."""
@@ -221,8 +221,6 @@ def _hook_loads(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _cut_loaded_states(optimizer: torch.optim.Optimizer) -> None:
-    from ..tensor.ragged_tensor import is_sharded
-
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -246,8 +244,6 @@ _states_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = 
 
 
 def _shard_whole_states(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    from ..tensor.ragged_tensor import is_sharded
-
     _hook_loads(optimizer)
     checked = _states_checked.setdefault(optimizer, set())
     for group in optimizer.param_groups:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["install_full_state_dict_gather"]
+__all__ = ["install_full_state_dict_gather", "install_wrapper_refusals"]
 
 
 # -- full state dicts: torch.distributed.checkpoint.state_dict._gather_state_dict -------------------
@@ -94,5 +94,3 @@ def _refusing_sharded_modules(init, wrapper_name: str, refuse):
     setattr(refusing_init, _PATCHED, True)
     return refusing_init
 
-
-__all__ += ["install_wrapper_refusals"]

@@ -30,23 +30,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..buckets.settings import apply_recorded
 from ..buckets.dbuffer import DBuffer
-from ..tensor.ragged_tensor import is_sharded
-from ..eager.calls import reduce_eager_gradient
 from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
+from ..buckets.mesh import ShardingMesh
+from ..buckets.settings import apply_recorded
+from ..eager.calls import reduce_eager_gradient
 from ..interop.mixed_lists import install_mixed_list_handlers
 from ..interop.state_dict import install_state_dict_api
-from ..interop.torch_patches import install_full_state_dict_gather
-from ..interop.torch_patches import install_wrapper_refusals
+from ..interop.torch_patches import install_full_state_dict_gather, install_wrapper_refusals
 from ..step.sync_check import install_plain_gradient_check
-from ..buckets.mesh import ShardingMesh
-from ..tensor.ragged_tensor import (RaggedLocalDTensor, holds_pieces, local_block, over_pieces, ragged_part,
-                                     register_for_foreach_defaults)
+from ..tensor.ragged_tensor import (RaggedLocalDTensor, holds_pieces, is_sharded, local_block, over_pieces,
+                                     ragged_part, register_for_foreach_defaults)
+from ..tensor.swap import check_swappable, swap_in_place
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .fp8_select import Fp8Plan, lcm_blocks
 from .mesh_roles import ParallelMesh
-from ..tensor.swap import check_swappable, swap_in_place
 
 __all__ = ["materialize", "shard_parameters"]
 
@@ -221,6 +219,6 @@ def shard_with_blocks(named: list[tuple[str, nn.Parameter]], mesh: ShardingMesh,
                       blocks: Mapping[str, int], fp8: Fp8Plan) -> list[DBuffer]:
     """The sharding sequence ``fully_shard``, pass 2 and the planning CLI share: each FP8 weight's block
     made whole tile panels, buckets planned and materialized, left-out FP8 candidates told to their bucket."""
-    new = shard_parameters(named, mesh, config, lcm_blocks(dict(blocks), fp8.blocks), fp8.tiles)
+    new = shard_parameters(named, mesh, config, lcm_blocks(blocks, fp8.blocks), fp8.tiles)
     fp8.record_left_out(named)
     return new

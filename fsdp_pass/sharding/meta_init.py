@@ -62,9 +62,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..tensor.ragged_tensor import bucket_of
-from ..tensor.ragged_tensor import local_block
 from ..buckets.uninitialized import mark_initialized, mark_pending
+from ..tensor.ragged_tensor import bucket_of, local_block
 
 __all__ = ["MetaInit"]
 

@@ -10,7 +10,7 @@ backward its reduce-scatter is issued without a wait; its output becomes the buc
 and the parameters' ``.grad`` point at their views of it at once. The wait, and the division by the
 data-parallel degree (in place), run where one of those gradients is first read:
 
-* any op on a RaggedShard view of that output (the check at the top of ``ragged_dispatch.dispatch``),
+* any op on a RaggedShard view of that output (the check at the top of tensor/dispatch.py's ``dispatch``),
   so an optimizer's reads, ``clip_grad_norm_``, a user's ``p.grad.norm()``;
 * the RaggedShard methods that hand out or move the piece itself (``to_local``, ``full_tensor``,
   ``redistribute``, pickling, checkpoint shards, ``repr``);
@@ -20,9 +20,9 @@ data-parallel degree (in place), run where one of those gradients is first read:
 So the optimizer's Python, its ops on parameters and states, and its ops on the other buckets'
 gradients run while the transfer is in flight. On CPU, any other collective fsdp_pass issues first
 (an optimizer's redistribute, a norm's all-reduce, an eager gather, the next step's prefetched
-gathers) waits for it before it starts (:func:`settle_before_collective`, [Note: one collective in
+gathers) waits for it before it starts (``settle_before_collective`` in tensor/in_flight.py, [Note: one collective in
 flight on gloo] in compile/passes/schedule.py). A foreach or fused optimizer reads every gradient in
-its first kernel; ``fsdp_pass.step_reduced_first(opt)`` (optimizer_step.py) steps the other buckets'
+its first kernel; ``fsdp_pass.step_reduced_first(opt)`` (step/reduced_first.py) steps the other buckets'
 parameters first, so their whole update runs while it is in flight. The values are today's exactly:
 the same reduce-scatter of the same gradient, then the same IEEE division. It applies only where
 the wait is the last thing needed: one shard group (an HSDP all-reduce would be a collective at the
@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from ..buckets.dbuffer import DBuffer
+from ..buckets.dbuffer import DBuffer, at_end_of_backward
 from ..buckets.gather import GatherConfig, reduce_gradient
 from ..tensor import in_flight
 
@@ -86,10 +86,4 @@ def _queue_reduce(ref: weakref.ref) -> None:
     if buf is None or buf.deferred_queued:
         return
     buf.deferred_queued = True
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _reduce(ref))
-
-
-def _reduce(ref: weakref.ref) -> None:
-    buf = ref()
-    if buf is not None:
-        reduce_deferred(buf)
+    at_end_of_backward(ref, reduce_deferred)

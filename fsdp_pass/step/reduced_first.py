@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor.in_flight import is_in_flight
+from ..tensor.in_flight import any_in_flight, is_in_flight
 from ..tensor.ragged_tensor import RaggedShardTensor, ragged_part
 
 __all__ = ["step_reduced_first"]
@@ -35,6 +35,9 @@ def step_reduced_first(optimizer: torch.optim.Optimizer) -> None:
     Not for optimizers that couple parameters in one step (LBFGS and other closure-based ones, a
     global norm computed inside ``step``): call their ``step()``.
     """
+    if not any_in_flight():  # nothing to order: no walk over the parameters
+        optimizer.step()
+        return
     groups = optimizer.param_groups
     whole = [group["params"] for group in groups]
     waiting = {id(p) for params in whole for p in params if _reducing(p.grad)}

@@ -29,20 +29,17 @@ from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import collectives
-from . import in_flight
-from . import flat_buffers
-from .ragged_tensor import BUCKET_ATTR, bucket_of, is_sharded
-from .ragged_tensor import PARAMETER_NAME, RaggedShardTensor, RaggedSpec
+from . import collectives, flat_buffers, in_flight
+from .ragged_tensor import BUCKET_ATTR, PARAMETER_NAME, RaggedShardTensor, RaggedSpec, bucket_of, is_sharded
 
 aten = torch.ops.aten
 
 
 def dispatch(func, args: tuple, kwargs: dict[str, Any] | None) -> Any:
     """Run ``func`` on RaggedShard arguments: the first case that applies handles it."""
-    if in_flight.any_in_flight():  # [Note: the last reduce-scatter overlaps the optimizer step]
-        in_flight.settle_read(t.piece for t in tree_flatten((args, kwargs))[0] if isinstance(t, RaggedShardTensor))
     call = _OpCall(func, args, kwargs or {})
+    if in_flight.any_in_flight():  # [Note: the last reduce-scatter overlaps the optimizer step]
+        in_flight.settle_read(t.piece for t in call.leaves if isinstance(t, RaggedShardTensor))
     if _is_model_code_on_fake_pieces(call):
         return _run_on_full_shape_stand_ins(call)
     if _is_collective_on_real_pieces(call):

@@ -7,7 +7,7 @@ gradient shard (dbuffer.py); their optimizer states are moved into one flat buff
 pieces. This file keeps a registry of such *flat buffers*: the address of every piece in them
 maps to its *slot* (which bucket, which of its pieces on this rank).
 
-An elementwise ``_foreach_*`` op or fused optimizer kernel (ragged_dispatch.py) whose list
+An elementwise ``_foreach_*`` op or fused optimizer kernel (tensor/dispatch.py) whose list
 entries are registered pieces then runs on *runs* instead of entries: entries whose pieces are
 neighbouring slots of one bucket (nothing but padding between them) in one flat buffer per list
 argument, with equal per-entry scalars (torch's bias corrections, fused kernels' step counts),

@@ -5,7 +5,7 @@ contiguous 1-D range of the row-major flattened tensor (``RaggedShard.local_rang
 often a view into a flat bucket buffer, so nothing here copies it on construction.
 
 Eager ops run through ``__torch_dispatch__`` on the pieces, but only where that is exact
-(elementwise ops, optimizer list ops, full reductions; see ``ragged_dispatch``). That is what
+(elementwise ops, optimizer list ops, full reductions; see ``dispatch``). That is what
 ``torch.optim`` optimizers and ``clip_grad_norm_`` need (sharding a tensor also lets their
 ``foreach`` defaults treat RaggedShard tensors like plain ones, as DTensor does:
 :func:`register_for_foreach_defaults`). Everything else
@@ -59,8 +59,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..placement import RaggedShard, transfer_splits
 from . import checkpoint, collectives, in_flight
 
-__all__ = ["BUCKET_ATTR", "RaggedLocalDTensor", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor", "holds_pieces",
-           "is_sharded", "local_block", "over_pieces", "ragged_part", "register_for_foreach_defaults", "whole_tensor"]
+__all__ = ["BUCKET_ATTR", "RaggedLocalDTensor", "RaggedShardTensor", "RaggedSpec", "bucket_of", "distribute_tensor",
+           "holds_pieces", "is_sharded", "local_block", "over_pieces", "ragged_part", "register_for_foreach_defaults", "whole_tensor"]
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ class RaggedShardTensor(torch.Tensor):
 def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """The global value of a sharded tensor (a RaggedShardTensor, or a DTensor whose local tensor is
     one): FSDP's pieces gathered first, then the TP/EP blocks. A collective; not differentiable."""
-    if isinstance(t, DTensor) and isinstance(t._local_tensor, RaggedShardTensor):
+    if isinstance(t, DTensor) and holds_pieces(t):
         t = _with_whole_local(t)
     return t.full_tensor()
 
@@ -403,7 +403,7 @@ BUCKET_ATTR = "_fsdp_pass_bucket"
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a parameter held by a bucket (a DBuffer)."""
-    return isinstance(ragged_part(p), RaggedShardTensor) and hasattr(p, BUCKET_ATTR)
+    return holds_pieces(p) and hasattr(p, BUCKET_ATTR)
 
 
 def bucket_of(p: torch.Tensor) -> tuple[Any, str]:
@@ -456,5 +456,5 @@ def register_for_foreach_defaults() -> None:
                 supported.append(cls)
 
 
-# Imported last: ragged_dispatch imports the classes above (the reverse edge is only used at call time).
+# Imported last: dispatch imports the classes above (the reverse edge is only used at call time).
 from . import dispatch as ragged_dispatch  # noqa: E402
