@@ -101,6 +101,10 @@ class Options:
         replicate_dim: the HSDP dim of a named mesh (default: none; on a 2-D mesh without TP/EP
             parameters, the dim that is not ``shard_dim``).
         compiler: ``"inductor"`` (default) or ``"aot_eager"`` (debugging) after the passes.
+        compile_blocks_once: blocks of a graph that are the same computation (``layers.0`` …
+            ``layers.n-1``) become calls of one subgraph that AOTAutograd and Inductor compile once, so
+            compile time does not grow with depth (default True; False compiles the graph flat; see
+            [Note: repeated blocks compiled once] in compile/passes/outline.py).
         reshard_after_forward: free gathered parameters after forward and gather again in backward
             (default True, ZeRO-3 memory); False keeps them (less communication, more memory).
         reshard_last_bucket: with ``reshard_after_forward``, also free the last bucket a graph
@@ -141,6 +145,7 @@ class Options:
     shard_dim: int | str | tuple[str, ...] | None = None
     replicate_dim: int | str | None = None
     compiler: str = "inductor"
+    compile_blocks_once: bool = True
     reshard_after_forward: bool = True
     reshard_last_bucket: bool = False
     overlap_last_reduce: bool = False
@@ -156,7 +161,7 @@ class Options:
     fp8_all_gather: "Fp8Options | None" = None
     gradient_divide_factor: float | None = None
 
-    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "reshard_after_forward", "reshard_last_bucket",
+    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "reshard_after_forward", "reshard_last_bucket",
               "overlap_last_reduce", "prefetch_next_step", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor")

@@ -1,7 +1,9 @@
 """The pass pipeline, in data order: the backend and the scale benchmark both run it from here.
 
-    Dynamo graph ─ detect ─ shard ─ rewrite ─┐            (run_passes: passes 1-3)
-                                             └ aot_autograd ─ joint graph: tag reshard-after-forward
+    Dynamo graph ─ detect ─ shard ─ rewrite ─ outline repeated blocks ─┐      (run_passes: passes 1-3b)
+                                             ┌─────────────────────────┘
+                                             └ aot_autograd ─ joint graph: replay saved parameter views,
+                                                                           tag reshard-after-forward
                                                           ─ forward / backward graphs: schedule overlap
                                                           ─ backward graphs: gradients written into buckets
                                                           ─ Inductor or aot_eager  (compile_scheduled: pass 4)
@@ -27,8 +29,10 @@ from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
+from .outline import Outlined, outline_repeated_blocks, rematerialize_parameter_views
+from .reshard_within_groups import node_groups, reshard_setting, reshard_within_groups
 from .rewrite import Rewritten, copy_dynamo_graph, rewrite_parameters
-from .schedule import gather_taken_again, schedule_overlap, tag_reshard_after_forward
+from .schedule import gather_chains, gather_taken_again, schedule_overlap, tag_reshard_after_forward
 from .shard import Sharded, shard_sites
 
 __all__ = ["GraphSink", "PassResult", "compile_scheduled", "run_passes"]
@@ -45,16 +49,17 @@ class GraphSink(Protocol):
 
 @dataclass
 class PassResult:
-    """Passes 1-3 on one Dynamo graph."""
+    """Passes 1-3b on one Dynamo graph."""
 
     sites: list[ParamSite]  # the graph's parameters, in first-use order
     sharded: Sharded  # their buckets, and the DBuffers made by this call
     rewritten: Rewritten  # the graph that takes bucket shards instead of parameters
-    seconds: dict[str, float]  # wall time of each pass: "detect", "shard", "rewrite"
+    outlined: Outlined  # which blocks became calls of a shared subgraph, and which stayed flat
+    seconds: dict[str, float]  # wall time of each pass: "detect", "shard", "rewrite", "outline"
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> PassResult | None:
-    """Detect → shard → rewrite on Dynamo's graph (left untouched: the rewrite works on a copy).
+    """Detect → shard → rewrite → outline on Dynamo's graph (left untouched: the rewrite works on a copy).
 
     None when the graph uses no parameter. Pass 4 runs inside aot_autograd (:func:`compile_scheduled`).
     """
@@ -69,7 +74,10 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options)
     t2 = time.perf_counter()
     rewritten = rewrite_parameters(copy_dynamo_graph(gm), sites, sharded.buckets, opts.param_dtype, opts.reduce_dtype)
     t3 = time.perf_counter()
-    return PassResult(sites, sharded, rewritten, {"detect": t1 - t0, "shard": t2 - t1, "rewrite": t3 - t2})
+    outlined = outline_repeated_blocks(rewritten.gm) if opts.compile_blocks_once else Outlined()
+    t4 = time.perf_counter()
+    return PassResult(sites, sharded, rewritten, outlined,
+                      {"detect": t1 - t0, "shard": t2 - t1, "rewrite": t3 - t2, "outline": t4 - t3})
 
 
 def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: GraphSink,
@@ -79,8 +87,10 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     of ``buffers`` (the graph's buckets) in backward graphs, then Inductor or aot_eager (``opts.compiler``).
     ``taken``: the buckets (slot → gather arguments) the graph takes already gathered in forward, which
     backward gathers again ([Note: the next step's first gather starts at the optimizer step])."""
-    joint_pass = functools.partial(tag_reshard_after_forward, keep_last=not opts.reshard_last_bucket) \
-        if opts.reshard_after_forward else None
+    reshard = reshard_setting(opts.reshard_after_forward, buffers)
+    group_of = node_groups(reshard, buffers, taken) if reshard is not True else None  # int: within node groups
+    joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of) \
+        if reshard else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     with patch:
         if opts.compiler == "aot_eager":
@@ -97,6 +107,17 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
         return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, buffers, taken, compiler=compile_fx_inner),
                           config_patches=patches)
+
+
+def _reshard_after_forward(gm: fx.GraphModule, joint_inputs: Any, keep_last: bool,
+                           group_of: Callable | None) -> fx.GraphModule:
+    """The joint-graph pass: parameter views saved by a shared block's subgraph replayed from the gather
+    chains ([Note: repeated blocks compiled once]), then the gather chains tagged for recomputation, or
+    with ``group_of`` resharded within node groups ([Note: reshard within a node after forward])."""
+    rematerialize_parameter_views(gm, gather_chains(gm).__contains__)
+    if group_of is not None:
+        return reshard_within_groups(gm, group_of, keep_last=keep_last)
+    return tag_reshard_after_forward(gm, joint_inputs, keep_last=keep_last)
 
 
 def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken: Mapping[int, GatherConfig] | None,

@@ -113,6 +113,7 @@ def rewrite_parameters(
                 _, name = buckets[site.name]
                 piece = graph.call_function(operator.getitem, (pieces, buf.segment_index(name)))
                 view = graph.call_function(torch.ops.aten.view.default, (piece, list(buf.shapes[name])))
+                view.meta["example_value"] = _gathered_example(placeholders[site.index], config.param_dtype)
                 spec = buf.dtensor_specs.get(name)
                 if spec is not None:
                     view = graph.call_function(_as_dtensor(spec), (view,))
@@ -122,6 +123,15 @@ def rewrite_parameters(
     graph.lint()
     gm.recompile()
     return Rewritten(gm, new_inputs, configs, [s.index for s in sites])
+
+
+def _gathered_example(param: fx.Node, dtype: torch.dtype):
+    """The (fake) value of a parameter's gathered view: Dynamo's example of the parameter, in ``dtype``
+    (the outline pass compares blocks by their operands' examples)."""
+    example = param.meta.get("example_value")
+    if isinstance(example, torch.Tensor) and not isinstance(example, DTensor) and example.dtype != dtype:
+        example = example.to(dtype)
+    return example
 
 
 def hand_out_gradients(rewritten: Rewritten, buckets: Collection[int]) -> Rewritten:

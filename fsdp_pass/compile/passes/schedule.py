@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ...buckets.gather import GatherConfig, fp8_pack_shard, fp8_unpack, take_gathered
 
-__all__ = ["GATHER_CHAIN_OPS", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
+__all__ = ["GATHER_CHAIN_OPS", "gather_chains", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -66,24 +66,39 @@ def _is_getitem(node: fx.Node) -> bool:
 # its own) reshards it: keeping every block's bucket would hold the whole model gathered.
 
 
+def _gather_heads(gm: fx.GraphModule) -> list[fx.Node]:
+    """The forward all_gathers and the buffers taken in place of one, in graph order."""
+    heads = {_c10d.all_gather_into_tensor.default, _TAKE_GATHERED}
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in heads]
+
+
+def _chain(head: fx.Node) -> list[fx.Node]:
+    """``head``, the cast feeding it and the views computed from it."""
+    chain, stack = [head], [head]
+    source = head.args[0]
+    if head.target is not _TAKE_GATHERED and isinstance(source, fx.Node) and source.target in _CASTS:
+        chain.append(source)
+    while stack:
+        for user in stack.pop().users:
+            if user.target in GATHER_CHAIN_OPS or _is_getitem(user):
+                chain.append(user)
+                stack.append(user)
+    return chain
+
+
+def gather_chains(gm: fx.GraphModule) -> set[fx.Node]:
+    """Every node of every gather chain of ``gm`` (what recomputing a gather recomputes)."""
+    return {n for head in _gather_heads(gm) for n in _chain(head)}
+
+
 def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: bool = True) -> fx.GraphModule:
     """Mark the forward all_gathers (and the buffers taken in place of one, [Note: the next step's
     first gather starts at the optimizer step]), the cast feeding each and its view chain
     MUST_RECOMPUTE; with ``keep_last``, all but the last one of a graph of several ([Note: the last
     bucket stays gathered into backward])."""
-    heads = {_c10d.all_gather_into_tensor.default, _TAKE_GATHERED}
-    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in heads]
+    gathers = _gather_heads(gm)
     for node in gathers[:-1] if keep_last and len(gathers) > 1 else gathers:
-        chain, stack = [node], [node]
-        source = node.args[0]
-        if node.target is not _TAKE_GATHERED and isinstance(source, fx.Node) and source.target in _CASTS:
-            chain.append(source)
-        while stack:
-            for user in stack.pop().users:
-                if user.target in GATHER_CHAIN_OPS or _is_getitem(user):
-                    chain.append(user)
-                    stack.append(user)
-        for n in chain:
+        for n in _chain(node):
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = _RECOMPUTE_GRAPH_ID
     return gm

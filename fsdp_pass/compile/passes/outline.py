@@ -1,0 +1,246 @@
+"""Pass 3b: repeated blocks outlined into one shared subgraph (compile time flat in depth).
+
+[Note: repeated blocks compiled once]
+A whole-model graph holds n transformer blocks that are the same computation on different
+parameters. Compiled flat, AOTAutograd traces and partitions each of them and Inductor lowers and
+generates code for each of them: about 2-3 s per block on CPU, so compile time grows with depth.
+After the rewrite (pass 3), each block's nodes read its parameters as views of a gathered bucket;
+this pass moves the nodes of every block that matches another one into a shared ``GraphModule`` and
+calls it through torch's ``invoke_subgraph`` operator (what ``torch.compiler.nested_compile_region``
+produces), one call per block, with the block's activations and parameter views as operands.
+AOTAutograd then traces and partitions the block once per distinct subgraph (its invoke_subgraph
+cache is keyed by the identifier this pass gives), and Inductor lowers each distinct subgraph once.
+
+What stays in the outer graph, so the schedule is what the flat graph gives: every gather, split and
+parameter view (the rewrite's nodes: they carry no module), the embedding, the final norm and the
+head, and the reduce-scatters. Two fixes keep memory and traffic as they were:
+- backward re-gathers resharded buckets: a subgraph's partition saves views of its parameter operands
+  for backward, which as subgraph outputs would keep the gathered buckets alive; the joint-graph pass
+  :func:`rematerialize_parameter_views` replays those views from the operands in the outer graph,
+  where the reshard tags (pass 4) recompute them from a fresh gather;
+- gradients leave the subgraph as its outputs, so the bucket write (pass 5) copies them into the
+  bucket instead of having the matmul write there: ``explain()`` lists them under "gradient copied".
+
+A block is a module whose path ends in an index (``layers.3``, an entry of a ModuleList/ModuleDict):
+its nodes are those whose module stack has it outermost. Two blocks merge when their node sequences
+are the same ops with the same constants and their operands have the same shapes, strides and
+dtypes. A block is left flat, and :attr:`Outlined.left_flat` says why, when it matches no other
+block, holds a nested graph (activation checkpointing), takes tensor-subclass or symbolic operands,
+or is interleaved with code outside it.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views"]
+
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+_INDEXED = re.compile(r"^(.*)(\.(\d+)|\[['\"]?(\d+)['\"]?\])$")  # "L['self'].layers.3", "...layers['3']"
+
+
+@dataclass
+class Outlined:
+    """What :func:`outline_repeated_blocks` did to one graph (``explain()`` prints it)."""
+
+    shared: dict[str, list[str]] = field(default_factory=dict)  # subgraph identifier → the blocks calling it
+    left_flat: dict[str, str] = field(default_factory=dict)  # block → why it stays in the outer graph
+
+    def text(self) -> str:
+        lines = [f"repeated blocks compiled once: {ident} ← {_span(blocks)} ({len(blocks)} calls)"
+                 for ident, blocks in self.shared.items()]
+        lines += [f"block left flat: {block} ({why})" for block, why in self.left_flat.items()]
+        return "\n".join(lines)
+
+
+def _span(blocks: list[str]) -> str:
+    return blocks[0] if len(blocks) == 1 else f"{blocks[0]} … {blocks[-1]}"
+
+
+def _block_of(node: fx.Node) -> str | None:
+    """The outermost indexed module on ``node``'s module stack, as a readable path (``layers.3``)."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if _INDEXED.match(path):
+            return path.removeprefix("L['self'].")
+    return None
+
+
+@dataclass
+class _Region:
+    block: str
+    nodes: list[fx.Node]  # in graph order
+    inputs: list[fx.Node] = field(default_factory=list)  # values from outside, in first-use order
+    outputs: list[fx.Node] = field(default_factory=list)  # region values read outside, in graph order
+    signature: str = ""
+
+
+def _regions(graph: fx.Graph) -> list[_Region]:
+    regions: dict[str, _Region] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
+            continue
+        block = _block_of(node)
+        if block is not None:
+            regions.setdefault(block, _Region(block, [])).nodes.append(node)
+    return list(regions.values())
+
+
+def _why_not(region: _Region, order: dict[fx.Node, int]) -> str | None:
+    """Why ``region`` cannot become one subgraph call (None: it can); fills its inputs and outputs."""
+    members = set(region.nodes)
+    last = order[region.nodes[-1]]
+    for node in region.nodes:
+        if node.op in ("get_attr", "call_module"):
+            return "holds a nested graph or module call (activation checkpointing?)"
+        for arg in node.all_input_nodes:
+            if arg not in members and arg not in region.inputs:
+                region.inputs.append(arg)
+        outside = [u for u in node.users if u not in members]
+        if any(order[u] < last for u in outside):
+            return "interleaved with code outside the block"
+        if outside:
+            region.outputs.append(node)
+    for value in region.inputs + region.outputs:
+        example = value.meta.get("example_value")
+        if not isinstance(example, torch.Tensor):
+            return f"non-tensor value {value.name} crosses the block boundary"
+        if type(example) is not torch._subclasses.FakeTensor:
+            return f"tensor subclass value {value.name} ({type(example).__name__}) crosses the block boundary"
+        if any(not isinstance(d, int) for d in example.shape):
+            return "dynamic shapes"
+    if not region.outputs:
+        return "no output"
+    region.signature = _signature(region)
+    return None
+
+
+def _signature(region: _Region) -> str:
+    """The region's computation up to its operands' identities: equal strings, one subgraph."""
+    label = {n: f"in{i}" for i, n in enumerate(region.inputs)}
+    label.update({n: f"n{i}" for i, n in enumerate(region.nodes)})
+    parts = [f"{tuple(v.meta['example_value'].shape)}:{v.meta['example_value'].stride()}:"
+             f"{v.meta['example_value'].dtype}:{v.meta['example_value'].requires_grad}" for v in region.inputs]
+    for node in region.nodes:
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: label[n])
+        parts.append(f"{node.op}:{node.target}:{args!r}")
+    parts.append("out:" + ",".join(label[n] for n in region.outputs))
+    return "\n".join(parts)
+
+
+def _subgraph(region: _Region) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, value in enumerate(region.inputs):
+        env[value] = graph.placeholder(f"operand{i}")
+        env[value].meta["example_value"] = value.meta["example_value"]
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in region.outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def outline_repeated_blocks(gm: fx.GraphModule) -> Outlined:
+    """Replace every block that matches another one by a call of their shared subgraph (in place)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    outlined = Outlined()
+    groups: dict[str, list[_Region]] = {}
+    replaced: dict[fx.Node, fx.Node] = {}  # an outlined block's output → its getitem of the call
+    for region in _regions(graph):
+        why = _why_not(region, order)
+        if why is None:
+            groups.setdefault(region.signature, []).append(region)
+        else:
+            outlined.left_flat[region.block] = why
+    for regions in groups.values():
+        if len(regions) == 1:
+            outlined.left_flat[regions[0].block] = "matches no other block"
+            continue
+        ident = f"fsdp_block_{len(outlined.shared)}"
+        gm.register_module(ident, _subgraph(regions[0]))
+        outlined.shared[ident] = [r.block for r in regions]
+        for region in regions:
+            _call(graph, region, ident, replaced)
+    if outlined.shared:
+        graph.lint()
+        gm.recompile()
+    return outlined
+
+
+def _call(graph: fx.Graph, region: _Region, ident: str, replaced: dict[fx.Node, fx.Node]) -> None:
+    """Replace ``region``'s nodes by one ``invoke_subgraph`` call of the module ``ident``; ``replaced``
+    maps outputs of blocks outlined before to what now stands for them, and gets this one's."""
+    with graph.inserting_after(region.nodes[-1]):
+        module = graph.get_attr(ident)
+    operands = [replaced.get(n, n) for n in region.inputs]
+    with graph.inserting_after(module):
+        call = graph.call_function(_INVOKE_SUBGRAPH, (module, ident, *operands))
+    call.meta["example_value"] = tuple(n.meta["example_value"] for n in region.outputs)
+    anchor = call
+    for i, node in enumerate(region.outputs):
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (call, i))
+        anchor.meta["example_value"] = node.meta["example_value"]
+        node.replace_all_uses_with(anchor)
+        replaced[node] = anchor
+    for node in reversed(region.nodes):
+        graph.erase_node(node)
+
+
+# Views that a subgraph's partition may save of a parameter operand (a transposed weight): replaying
+# them outside the subgraph is free.
+_VIEWS = {
+    torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.slice.Tensor,
+}
+
+
+def _view_chain(output: fx.Node) -> tuple[int, list[fx.Node]] | None:
+    """If a subgraph output is a chain of views of one of its placeholders: (placeholder index, views
+    from the placeholder outwards); else None."""
+    chain = []
+    node = output
+    while node.op == "call_function" and node.target in _VIEWS:
+        chain.append(node)
+        node = node.args[0]
+    if node.op != "placeholder":
+        return None
+    placeholders = list(node.graph.find_nodes(op="placeholder"))
+    return placeholders.index(node), chain[::-1]
+
+
+def rematerialize_parameter_views(gm: fx.GraphModule, is_parameter_view) -> fx.GraphModule:
+    """On the joint graph (subgraphs already partitioned): a forward subgraph output that backward
+    reads and that is only a view of a parameter operand (``is_parameter_view(operand)``) is replayed
+    from that operand in the outer graph, and backward reads the replay. The outer partitioner then
+    sees the gather chain it may recompute ([Note: repeated blocks compiled once])."""
+    graph = gm.graph
+    for call in list(graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH)):
+        if not (isinstance(call.args[1], str) and call.args[1].startswith("partitioned_fw")):
+            continue
+        sub = getattr(gm, call.args[0].target)
+        results = list(sub.graph.find_nodes(op="output"))[0].args[0]
+        operands = call.args[2:]
+        for user in list(call.users):
+            if not (user.op == "call_function" and user.target is operator.getitem):
+                continue
+            found = _view_chain(results[user.args[1]]) if isinstance(results[user.args[1]], fx.Node) else None
+            if found is None or not is_parameter_view(operands[found[0]]):
+                continue
+            value, anchor = operands[found[0]], user
+            for view in found[1]:  # in order, each after the last
+                with graph.inserting_after(anchor):
+                    value = anchor = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+                value.meta["val"] = view.meta.get("val")
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+    graph.lint()
+    gm.recompile()
+    return gm
