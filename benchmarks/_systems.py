@@ -6,6 +6,8 @@ optimizer (plain ``torch.optim.AdamW``) is built on ``model.parameters()`` after
 
 from __future__ import annotations
 
+import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +30,8 @@ class System:
     step_reduced_first: bool = False  # step with fsdp_pass.step_reduced_first(opt) instead of opt.step()
 
 
+_ACROSS_STEP_OFF = {"overlap_last_reduce": False, "prefetch_next_step": False}
+
 SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("single", "single process, no comm (inductor)", distributed=False, inductor=True),
     System("ddp", "DDP (eager)"),
@@ -38,20 +42,27 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
            fsdp_pass={"compiler": "aot_eager", "prefetch": 1}),
     System("fsdp_pass_aot_eager_no_overlap", "fsdp_pass aot_eager, overlap off", compiled_fsdp=True,
            fsdp_pass={"compiler": "aot_eager", "prefetch": 0}),
-    System("fsdp_pass_inductor", "fsdp_pass inductor, overlap on", inductor=True, compiled_fsdp=True,
+    System("fsdp_pass_inductor", "fsdp_pass inductor, the default", inductor=True, compiled_fsdp=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 1}),
     System("fsdp_pass_inductor_no_overlap", "fsdp_pass inductor, overlap off", inductor=True, compiled_fsdp=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 0}),
     System("fsdp_pass_inductor_reshard_last", "fsdp_pass inductor, overlap on, last bucket resharded too",
            inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
                                                          "reshard_last_bucket": True}),
-    System("fsdp_pass_inductor_overlap_reduce", "fsdp_pass inductor, overlap on, last reduce-scatter into the step",
-           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
-                                                         "overlap_last_reduce": True}),
-    System("fsdp_pass_inductor_prefetch_step", "fsdp_pass inductor, overlap on, first gather at the step",
-           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
-                                                         "prefetch_next_step": True}),
-    System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, overlap on, both across the step, reduced first",
+    # The step-boundary settings, each named explicitly (on or off), so that these rows mean the same
+    # whatever the defaults are.
+    System("fsdp_pass_inductor_plain", "fsdp_pass inductor, nothing across the step", inductor=True,
+           compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF}),
+    System("fsdp_pass_inductor_overlap_reduce", "fsdp_pass inductor, last reduce-scatter into the step",
+           inductor=True, compiled_fsdp=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "overlap_last_reduce": True}),
+    System("fsdp_pass_inductor_reduced_first", "fsdp_pass inductor, last reduce-scatter into the step, reduced first",
+           inductor=True, compiled_fsdp=True, step_reduced_first=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "overlap_last_reduce": True}),
+    System("fsdp_pass_inductor_prefetch_step", "fsdp_pass inductor, first gather at the step",
+           inductor=True, compiled_fsdp=True,
+           fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "prefetch_next_step": True}),
+    System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, all three across the step",
            inductor=True, compiled_fsdp=True, step_reduced_first=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 1, "overlap_last_reduce": True, "prefetch_next_step": True}),
 )}
@@ -133,8 +144,12 @@ def _patch_cpu_runtime_estimation() -> None:
         pass
 
 
-def simplefsdp_backend(bucket_plans: list, graph_sink: Callable[[str, fx.GraphModule], None]):
-    """torchtitan JIT ``transformer_block_bucketing`` + inductor, with our graph recorder after it."""
+def simplefsdp_compile_config(bucket_plans: list, graph_sink: Callable[[str, fx.GraphModule], None]):
+    """The compiler settings of torchtitan's JIT ``transformer_block_bucketing`` + inductor, with our graph
+    recorder after it: a function returning a context manager that sets them while it is open.
+
+    Scoped, not set for the process: the round-robin run compiles every system in one process, and
+    these passes must not touch the other systems' graphs."""
     from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
 
     _patch_cpu_runtime_estimation()
@@ -146,12 +161,15 @@ def simplefsdp_backend(bucket_plans: list, graph_sink: Callable[[str, fx.GraphMo
         counter["n"] += 1
         return gm
 
-    cfg = torch._inductor.config
-    cfg.allow_buffer_reuse = False
-    cfg.reorder_for_peak_memory = False
-    cfg.reorder_for_compute_comm_overlap = False
-    cfg.post_grad_custom_post_pass = post_grad_pass
-    return "inductor"
+    def scope() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._inductor.config.patch(
+            allow_buffer_reuse=False, reorder_for_peak_memory=False, reorder_for_compute_comm_overlap=False,
+            post_grad_custom_post_pass=post_grad_pass))
+        stack.enter_context(torch._functorch.config.patch(joint_custom_pass=simplefsdp_reshard_after_forward))
+        return stack
+
+    return scope
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -160,7 +178,8 @@ def simplefsdp_backend(bucket_plans: list, graph_sink: Callable[[str, fx.GraphMo
 
 
 def build_system(system: System, model: nn.Module, world: int, graph_sink: Callable[[str, fx.GraphModule], None]):
-    """Wrap ``model`` for ``system``; returns (callable model, notes)."""
+    """Wrap ``model`` for ``system``; returns (callable model, notes). ``notes["compile_config"]``, where
+    present, makes the context its steps must run in (the compiler settings its compiles need)."""
     notes: dict = {}
     if system.key == "single":
         return torch.compile(model), notes
@@ -187,10 +206,9 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         mesh = init_device_mesh("cpu", (world,))
         model = data_parallel(model, mesh, mode="fully_shard")
         plans = ["tok_embeddings", *[f"layers.{i}" for i in range(len(model.layers))], ["norm", "output"]]
-        backend = simplefsdp_backend(plans, graph_sink)
-        torch._functorch.config.joint_custom_pass = simplefsdp_reshard_after_forward
         notes["bucket_plans"] = plans
-        return torch.compile(model, backend=backend, fullgraph=True), notes
+        notes["compile_config"] = simplefsdp_compile_config(plans, graph_sink)
+        return torch.compile(model, backend="inductor", fullgraph=True), notes
     if system.fsdp_pass is not None:
         import fsdp_pass  # noqa: F401  (registers the "vescale" backend)
 
@@ -200,6 +218,58 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
             notes["options_not_supported"] = dropped
         return torch.compile(model, backend="vescale", options=options), notes
     raise KeyError(system.key)
+
+
+class Training:
+    """One system training on one rank: its model, a plain AdamW, and ``step(i)``, which trains on batch
+    ``i`` (this rank's slice of a seeded global batch: every system sees the same data in the same order)."""
+
+    def __init__(self, system: System, model: nn.Module, world: int, rank: int, batch: int,
+                 graph_sink: Callable[[str, fx.GraphModule], None]):
+        self.system, self.rank, self.batch = system, rank, batch
+        self.cfg = model.cfg
+        self.model, self.notes = build_system(system, model, world, graph_sink)
+        self.compile_config = self.notes.pop("compile_config", contextlib.nullcontext)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        if system.step_reduced_first:
+            import fsdp_pass
+
+            self.optimizer_step = lambda: fsdp_pass.step_reduced_first(self.opt)
+        else:
+            self.optimizer_step = self.opt.step
+        self.losses: list[float] = []
+
+    def step(self, i: int) -> tuple[float, float, float]:
+        """Forward, backward, optimizer step and ``zero_grad`` on batch ``i``: the seconds of each phase."""
+        from torch.profiler import record_function
+
+        from _measure import PHASES
+        from fsdp_pass.testing.models import lm_loss, random_tokens
+
+        tokens = random_tokens(self.cfg, self.batch, seed=1000 * i + self.rank)
+        with self.compile_config():
+            t0 = time.perf_counter()
+            with record_function(PHASES[0]):
+                loss = lm_loss(self.model(tokens), tokens)
+            t1 = time.perf_counter()
+            with record_function(PHASES[1]):
+                loss.backward()
+            t2 = time.perf_counter()
+            with record_function(PHASES[2]):
+                self.optimizer_step()
+                self.opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+        self.losses.append(loss.item())
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def quiesce(self) -> None:
+        """Leave nothing of this system in flight (the next step's gathers an fsdp_pass step issued), so
+        the next system's collectives start on an idle process group."""
+        if self.system.fsdp_pass is not None:
+            from fsdp_pass.buckets.dbuffer import buffers_of
+            from fsdp_pass.step import prefetch
+
+            prefetch.discard(buffers_of(self.model))
 
 
 def fsdp_pass_graphs() -> dict[str, fx.GraphModule]:

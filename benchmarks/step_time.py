@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -55,8 +56,9 @@ except ImportError:
 import torch  # noqa: E402
 
 from _measure import add_peer_lateness, first_and_last  # noqa: E402
+import _round_robin as RR  # noqa: E402
 from _systems import SYSTEMS, simplefsdp_import_error  # noqa: E402
-from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss, random_tokens  # noqa: E402
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std  # noqa: E402
 from fsdp_pass.testing.spawn import RankFailed, run_distributed  # noqa: E402
 
 # The MoE keeps its experts as three stacked 3-D parameters, computed by batched products.
@@ -78,10 +80,11 @@ PER_RANK_BATCH = {"llama": 4, "moe": 4}
 QUICK_BATCH = 2
 SIMPLEFSDP_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro"
 
-# Project goals (fsdp_pass with inductor, overlap on), as issue 15 states them.
+# Project goals for fsdp_pass's default (Inductor); step-time ratios are medians of per-round ratios in a
+# round-robin run.
 GOALS = {
     "step_vs_fsdp2": 0.80,
-    "step_vs_simplefsdp": 0.95,
+    "step_vs_simplefsdp": 0.90,
     "copy_bytes": 0,
     "memory_vs_fsdp2": 0.80,
     "step_vs_floor": 1.25,
@@ -107,7 +110,7 @@ def _compiler_warmup() -> None:
 def _worker(rank: int, world: int, key: str, args: dict) -> dict:
     """One rank of system ``key`` (in a spawned process, its process group up): its measurements."""
     import _measure as M
-    from _systems import barrier, build_system, fsdp_pass_graphs
+    from _systems import Training, barrier, fsdp_pass_graphs
 
     system = SYSTEMS[key]
     if args.get("options"):  # --bucket-sweep: this run's fsdp_pass options over the system's own
@@ -122,36 +125,12 @@ def _worker(rank: int, world: int, key: str, args: dict) -> dict:
     model = init_std(Llama(cfg))
     n_params = sum(p.numel() for p in model.parameters())
     graphs: dict = {}
-    model, notes = build_system(system, model, world, lambda name, gm: graphs.__setitem__(name, gm))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if system.step_reduced_first:
-        import fsdp_pass
-
-        optimizer_step = lambda: fsdp_pass.step_reduced_first(opt)  # noqa: E731
-    else:
-        optimizer_step = opt.step
-    bs = args["batch"]
-
-    losses = []
-
-    from torch.profiler import record_function
-
+    training = Training(system, model, world, rank, args["batch"], lambda name, gm: graphs.__setitem__(name, gm))
+    model, notes, losses = training.model, training.notes, training.losses
     phases: list[tuple[float, float, float]] = []
 
     def step(i: int) -> None:
-        tokens = random_tokens(cfg, bs, seed=1000 * i + rank)  # this rank's slice of a seeded global batch
-        t0 = time.perf_counter()
-        with record_function(M.PHASES[0]):
-            loss = lm_loss(model(tokens), tokens)
-        t1 = time.perf_counter()
-        with record_function(M.PHASES[1]):
-            loss.backward()
-        t2 = time.perf_counter()
-        with record_function(M.PHASES[2]):
-            optimizer_step()
-            opt.zero_grad(set_to_none=True)
-        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        losses.append(loss.item())
+        phases.append(training.step(i))
 
     t0 = time.perf_counter()
     step(0)
@@ -177,7 +156,7 @@ def _worker(rank: int, world: int, key: str, args: dict) -> dict:
     # Two profiled steps; the second is analysed (memory, copies, overlap). Profiling from one step
     # earlier means tensors that step leaves behind (gradients freed lazily, ...) are tracked by
     # the allocator records, so their release during the analysed step is seen too.
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     M.trim()
     barrier()
@@ -343,8 +322,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def goals(rows: list[dict]) -> list[dict]:
-    by = {r["key"]: r for r in rows if "error" not in r}
+def goals(rows: list[dict], step_ratio: Callable[[dict, dict], float]) -> list[dict]:
+    """The project goals for OURS's row; ``step_ratio(a, b)``: row a's step time over row b's (a median of
+    per-round ratios in a round-robin run). Memory and copies where the rows measured them (sequential runs)."""
+    by = {r["key"]: r for r in rows if "error" not in r and "#" not in r.get("tag", "")}
     ours = by.get(OURS)
     out = []
 
@@ -358,17 +339,38 @@ def goals(rows: list[dict]) -> list[dict]:
     if ours is None:
         return [{"goal": "all", "status": "n/a", "detail": f"{OURS} did not run"}]
     f2, sf, floor = by.get("fsdp2"), by.get("simplefsdp"), by.get("single")
-    add("step time <= {t}x FSDP2 eager", "step_vs_fsdp2", ours["median_s"] / f2["median_s"] if f2 else None)
-    add("step time <= {t}x SimpleFSDP", "step_vs_simplefsdp", ours["median_s"] / sf["median_s"] if sf else None,
+    add("step time <= {t}x FSDP2 eager", "step_vs_fsdp2", step_ratio(ours, f2) if f2 else None)
+    add("step time <= {t}x SimpleFSDP", "step_vs_simplefsdp", step_ratio(ours, sf) if sf else None,
         "" if sf else "SimpleFSDP did not run")
-    add("FSDP copy bytes per step = {t}", "copy_bytes", ours["copy_bytes"])
-    add("peak per-rank memory <= {t}x FSDP2 (tensor)", "memory_vs_fsdp2",
-        ours["peak_tensor_bytes"] / f2["peak_tensor_bytes"] if f2 else None)
-    add("peak per-rank memory <= {t}x FSDP2 (RSS)", "memory_vs_fsdp2",
-        ours["peak_rss_bytes"] / f2["peak_rss_bytes"] if f2 else None)
-    add("step time <= {t}x single-process floor", "step_vs_floor",
-        ours["median_s"] / floor["median_s"] if floor else None)
+    if "copy_bytes" in ours:
+        add("FSDP copy bytes per step = {t}", "copy_bytes", ours["copy_bytes"])
+        add("peak per-rank memory <= {t}x FSDP2 (tensor)", "memory_vs_fsdp2",
+            ours["peak_tensor_bytes"] / f2["peak_tensor_bytes"] if f2 else None)
+        add("peak per-rank memory <= {t}x FSDP2 (RSS)", "memory_vs_fsdp2",
+            ours["peak_rss_bytes"] / f2["peak_rss_bytes"] if f2 else None)
+    add("step time <= {t}x single-process floor", "step_vs_floor", step_ratio(ours, floor) if floor else None)
     return out
+
+
+def goal_lines(g: list[dict]) -> str:
+    """The goals, one line each, for the terminal."""
+    lines = []
+    for item in g:
+        m = item.get("measured")
+        ms = f"{m:.3f}" if isinstance(m, float) else str(m)
+        lines.append(f"  {item['status']:4s}  {item['goal']}: measured {ms} (target {item.get('target')}) "
+                     f"{item.get('detail', '')}")
+    return "\n".join(lines)
+
+
+def goal_table(g: list[dict]) -> str:
+    """The goals as a markdown table."""
+    lines = ["| goal (fsdp_pass default, Inductor) | measured | target | status |", "|---|---|---|---|"]
+    for item in g:
+        m = item.get("measured")
+        ms = f"{m:.3f}" if isinstance(m, float) else (f"{m / 2**20:.2f} MiB" if isinstance(m, int) else "-")
+        lines.append(f"| {item['goal']} | {ms} | {item.get('target', '-')} | {item['status']} {item.get('detail', '')} |")
+    return "\n".join(lines)
 
 
 def breakdown(r: dict, floor: dict | None) -> dict:
@@ -523,6 +525,48 @@ def run_meta(args: dict, cfg: LlamaConfig, load_before, load_after, total: float
 
 
 # ----------------------------------------------------------------------------------------------------
+# Round robin in the same processes (the default mode): [Note: round robin in the same processes]
+# ----------------------------------------------------------------------------------------------------
+
+
+def round_robin(keys: list[str], args: dict, cfg: LlamaConfig, twin: str | None, references: list[str],
+                timeout: float) -> list[dict]:
+    """Every system of ``keys`` (and a second instance of ``twin``) in the same ranks, round robin:
+    one row per system with its per-round ratios to each of ``references``."""
+    tags = keys + ([twin + RR.TWIN] if twin else [])
+    world = args["world_size"]
+    ranks = run_distributed(RR.worker, world, tags, {**args, "cfg": cfg}, timeout=timeout * len(tags),
+                            pg_timeout=120, backend="gloo", pin_cores=True)
+    return RR.summarize(ranks, tags, [*references, *([twin] if twin else [])])
+
+
+def _ratio_cell(s: dict | None) -> str:
+    """``median (min-max) k/n``: the median per-round ratio, its range, and the rounds it was at most 1."""
+    if s is None:
+        return "-"
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) {s['no_slower']}/{s['rounds']}"
+
+
+def round_robin_table(rows: list[dict], references: list[str]) -> str:
+    """Per system: round medians, the median of them, its ratios to each reference, whether its losses
+    are bitwise OURS's (fsdp_pass systems), its first step (compiles included, caches warmed by the
+    systems built before it in the same process)."""
+    labels = {r["tag"]: r["label"] for r in rows}
+    refs = [ref for ref in references if ref in labels]
+    ours = next((r for r in rows if r["tag"] == OURS), None)
+    head = ("system", "round medians ms", "median ms", *[f"x {labels[ref]}" for ref in refs],
+            f"losses = {OURS}'s", "first step s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        same = "-" if ours is None or not r["key"].startswith("fsdp_pass") else (
+            "bitwise" if r["losses_rank0"] == ours["losses_rank0"] else "differ")
+        lines.append(f"| {r['label']} | {' '.join(f'{1e3 * m:.0f}' for m in r['round_medians_s'])} "
+                     f"| {1e3 * r['median_s']:.0f} | {' | '.join(_ratio_cell(r['ratios'].get(ref)) for ref in refs)} "
+                     f"| {same} | {r['compile_s']:.0f} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Bucket sweep: exposed communication against the number of buckets
 # ----------------------------------------------------------------------------------------------------
 
@@ -609,13 +653,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10; --quick 3)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="measured steps: per system and round (default 3; --quick 2), or per run with --sequential "
+                         "(default 10; --quick 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds (default 5)")
+    ap.add_argument("--twin", default=OURS,
+                    help=f"also run a second instance of this system, to show what the ratios resolve "
+                         f"(default {OURS}; '' for none)")
+    ap.add_argument("--against", default=f"fsdp2,fsdp2_compile,simplefsdp,single,{OURS}",
+                    help="the systems every row's per-round ratios are taken to (comma-separated keys)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="each system in fresh processes, one after another, with memory, copies and overlap per "
+                         "system (the profiled step); step times are not comparable across systems under load")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first compiles (default 3)")
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch (sequences)")
     ap.add_argument("--systems", default=None, help=f"comma-separated keys or globs of: {', '.join(SYSTEMS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and 3 steps: checks that everything runs")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="run the list of systems (or the --bucket-sweep settings) this many times, round robin, "
+                    help="with --sequential or --bucket-sweep: run the list of systems (or the --bucket-sweep settings) this many times, round robin, "
                          "and pool the step times (spreads the effect of other load over all of them)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system before its ranks are killed")
     ap.add_argument("--dump-graphs", default=None, help="write the compiled FSDP systems' graphs here (rank 0)")
@@ -632,7 +687,8 @@ def main(argv=None) -> int:
                  f"per-rank batch {m['per_rank_batch']}x{m['seq']}, 1 pinned core/rank, load {m['loadavg_before'][0]:.1f}")
         plot(data["systems"], a.replot.with_suffix(".png"), title)
         return 0
-    steps = a.steps if a.steps is not None else (3 if a.quick else 10)
+    sequential = a.sequential or a.bucket_sweep
+    steps = a.steps if a.steps is not None else ((3 if a.quick else 10) if sequential else (2 if a.quick else 3))
     batch_size = a.batch or (QUICK_BATCH if a.quick else PER_RANK_BATCH[a.model])
     args = {"model": a.model, "world_size": a.world_size, "steps": steps, "warmup": max(2, a.warmup),
             "batch": batch_size, "quick": a.quick, "dump": a.dump_graphs}
@@ -642,7 +698,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     print(f"model {a.model}: {cfg}")
     print(f"world size {a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up + "
-          f"{steps} measured steps, {os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{steps} measured steps{'' if sequential else f' per round, {a.rounds} rounds'}, {os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} "
           f"{load_before[2]:.2f}, torch {torch.__version__}")
     if a.bucket_sweep:
         t_all = time.time()
@@ -669,6 +725,33 @@ def main(argv=None) -> int:
         print(f"fsdp_pass: this checkout does not know option(s) {dropped}: they are not passed "
               f"(the overlap on/off rows then run the same configuration)")
 
+    if not sequential:
+        t_all = time.time()
+        twin = a.twin or None
+        references = [k for k in a.against.split(",") if k in keys]
+        rows = round_robin(keys, {**args, "rounds": a.rounds}, cfg, twin, references, a.timeout)
+        load_after = os.getloadavg()
+        total = time.time() - t_all
+        text = round_robin_table(rows, [*references, *([twin] if twin and twin not in references else [])])
+        g = goals(rows, lambda x, y: x["ratios"][y["tag"]]["median"])
+        print(f"\n{text}\n\n{goal_lines(g)}")
+        print(f"\ntotal {total:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+        stem = result_stem(a, "step_time")
+        meta = run_meta(args, cfg, load_before, load_after, total, mode="round robin", rounds=a.rounds,
+                        skipped=skipped, fsdp_pass_options_not_supported=dropped)
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "systems": rows, "goals": g}, indent=1,
+                                                        default=str))
+        md = [f"Round-robin run {meta['date']}: model `{a.model}` ({rows[0]['params'] / 1e6:.2f}M parameters), world "
+              f"size {a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up steps, then "
+              f"{a.rounds} rounds of 1 + {steps} steps per system, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+              f"load average (1 min) {load_before[0]:.2f} before and {load_after[0]:.2f} after; {total:.0f} s in all. "
+              f"Ratio cells: median of per-round ratios (range) rounds no slower / rounds.", "", text, "", goal_table(g)]
+        if skipped:
+            md += ["", *[f"Skipped {k}: {v}" for k, v in skipped.items()]]
+        stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+        print(f"wrote {stem.with_suffix('.json')}")
+        return 0
+
     t_all = time.time()
     runs = run_rounds({k: (k, args) for k in keys}, a.repeat, a.timeout)
     rows = [merge_repeats(runs[k]) for k in keys]
@@ -677,12 +760,9 @@ def main(argv=None) -> int:
 
     print()
     print(table(rows))
-    g = goals(rows)
+    g = goals(rows, lambda a, b: a["median_s"] / b["median_s"])
     print()
-    for item in g:
-        m = item.get("measured")
-        ms = f"{m:.3f}" if isinstance(m, float) else str(m)
-        print(f"  {item['status']:4s}  {item['goal']}: measured {ms} (target {item.get('target')}) {item.get('detail', '')}")
+    print(goal_lines(g))
     by = {r["key"]: r for r in rows if "error" not in r}
     bd = {k: breakdown(r, by.get("single")) for k, r in by.items()}
     print()
@@ -702,11 +782,7 @@ def main(argv=None) -> int:
           f"{a.world_size}, per-rank batch {batch_size} x {cfg.seq} tokens, {args['warmup']} warm-up + {steps} measured "
           f"steps{' x %d rounds' % a.repeat if a.repeat > 1 else ''}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) {load_before[0]:.2f} before "
           f"and {load_after[0]:.2f} after; {total:.0f} s in all.", "", table(rows), "", breakdown_table(bd, rows), "",
-          "| goal (fsdp_pass inductor, overlap on) | measured | target | status |", "|---|---|---|---|"]
-    for item in g:
-        m = item.get("measured")
-        ms = f"{m:.3f}" if isinstance(m, float) else (f"{m / 2**20:.2f} MiB" if isinstance(m, int) else "-")
-        md.append(f"| {item['goal']} | {ms} | {item.get('target', '-')} | {item['status']} {item.get('detail', '')} |")
+          goal_table(g)]
     for label, text in per_collective.items():
         md += ["", f"{label}: collectives of the profiled step, rank 0", "", text]
     if skipped:

@@ -1,0 +1,113 @@
+"""Round robin in the same processes: every system a few steps in turn, round after round, compared by
+the ratio of their step times within each round.
+
+[Note: round robin in the same processes]
+On two cores shared with other work, a load spike lasts from seconds to minutes. Runs of one system
+after another in fresh processes put each spike on whichever system was running, so the medians of
+two runs of the same system differed by up to 110 ms of 390 (docs/benchmarks.md), more than the
+effects to be measured. Here every system lives in the same two processes (a model, an optimizer and
+compiled graphs each, built and warmed up one after another); a round runs each system for a few
+steps, in turn, the order rotated by one system each round, so a spike longer than a few steps hits
+the systems of that round alike. Systems are compared round by round: A's median step in round r over
+B's in round r; the report gives the median of those ratios, their range, and in how many rounds A
+was no slower. A second instance of one system (the twin, built and compiled like the first) measures
+what the method resolves: its ratios to the first would all be 1.00 on a quiet machine.
+
+Between two systems' slices each rank waits at a barrier, and the first step of each slice is not
+timed (the switch evicts caches: that step pays for the previous system's memory traffic). An
+fsdp_pass system leaves no gather in flight when its slice ends (``Training.quiesce``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from _systems import SYSTEMS, Training, barrier
+from fsdp_pass.testing.models import Llama, init_std
+
+TWIN = "#2"  # suffix of the second instance's tag
+
+
+def system_key(tag: str) -> str:
+    """The ``SYSTEMS`` key of a tag (a key, or a key + ``TWIN``)."""
+    return tag.removesuffix(TWIN)
+
+
+def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
+    """One rank: build and warm up every system of ``tags`` on the model ``args["cfg"]``, then ``args["rounds"]`` rounds of
+    ``args["steps"]`` timed steps each (after one untimed). Returns, per tag, each round's step
+    times (this rank's), the first step's time (compiles included), the losses of every step, notes."""
+    # Every system compiles the same forward functions (Llama.forward, ...): one cache entry each.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(tags))
+    cfg = args["cfg"]
+    runs: dict[str, Training] = {}
+    out: dict[str, dict] = {}
+    for tag in tags:
+        model = init_std(Llama(cfg))
+        runs[tag] = Training(SYSTEMS[system_key(tag)], model, world, rank, args["batch"], lambda name, gm: None)
+        barrier()
+        t0 = time.perf_counter()
+        runs[tag].step(0)
+        compile_s = time.perf_counter() - t0
+        for i in range(1, args["warmup"]):
+            runs[tag].step(i)
+        runs[tag].quiesce()
+        out[tag] = {"compile_s": compile_s, "rounds": [], "notes": runs[tag].notes,
+                    "params": sum(p.numel() for p in model.parameters())}
+    index = args["warmup"]  # every system trains on the same batches, in the same order
+    for r in range(args["rounds"]):
+        order = tags[r % len(tags):] + tags[:r % len(tags)]
+        for tag in order:
+            barrier()
+            runs[tag].step(index)  # the switch's step: not timed
+            times = []
+            for k in range(args["steps"]):
+                t0 = time.perf_counter()
+                runs[tag].step(index + 1 + k)
+                times.append(time.perf_counter() - t0)
+            runs[tag].quiesce()
+            out[tag]["rounds"].append(times)
+        index += 1 + args["steps"]
+    for tag, run in runs.items():
+        out[tag]["losses"] = run.losses
+    return out
+
+
+def round_medians(ranks: list[dict], tag: str) -> list[float]:
+    """Per round, the median over its timed steps of the slowest rank's step time (seconds)."""
+    rounds = zip(*(r[tag]["rounds"] for r in ranks))
+    return [statistics.median(max(steps) for steps in zip(*per_rank)) for per_rank in rounds]
+
+
+def ratio_summary(ratios: list[float]) -> dict:
+    """The median of per-round ratios, their range, and the rounds in which the ratio was at most 1."""
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "no_slower": sum(r <= 1.0 for r in ratios), "rounds": len(ratios), "ratios": ratios}
+
+
+def per_round_ratios(a: list[float], b: list[float]) -> list[float]:
+    """System A's round medians over system B's, round by round."""
+    return [x / y for x, y in zip(a, b)]
+
+
+def summarize(ranks: list[dict], tags: list[str], references: list[str]) -> list[dict]:
+    """One row per tag: its round medians, and its per-round ratios to each of ``references`` that ran
+    (``ratio_summary``)."""
+    medians = {tag: round_medians(ranks, tag) for tag in tags}
+    r0 = ranks[0]
+    rows = []
+    for tag in tags:
+        system = SYSTEMS[system_key(tag)]
+        rows.append({
+            "tag": tag, "key": system.key,
+            "label": system.label + (" (second instance)" if tag.endswith(TWIN) else ""),
+            "params": r0[tag]["params"], "notes": r0[tag]["notes"],
+            "round_medians_s": medians[tag], "median_s": statistics.median(medians[tag]),
+            "compile_s": max(r[tag]["compile_s"] for r in ranks), "losses_rank0": r0[tag]["losses"],
+            "ratios": {ref: ratio_summary(per_round_ratios(medians[tag], medians[ref]))
+                       for ref in references if ref in medians and ref != tag},
+        })
+    return rows
