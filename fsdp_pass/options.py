@@ -60,6 +60,14 @@ class Fp8Options:
         return cls(tile, patterns["include"], patterns["exclude"])
 
 
+def check_reshard_after_forward(value: Any, argument: str) -> None:
+    """Raise unless ``value`` is True, False or a group size (an int > 1; whether it divides the shard dim
+    is checked when the mesh is known: ``fsdp_pass.buckets.mesh.check_reshard_group_size``)."""
+    if not isinstance(value, bool) and not (isinstance(value, int) and value > 1):
+        raise ValueError(f"{argument} is {value!r}; use True (reshard over all ranks), False (keep parameters "
+                         f"gathered) or a group size k > 1 that divides the shard dim, e.g. 8 for the GPUs of a node")
+
+
 def check_divide_factor(factor: Any, where: str) -> float:
     """``factor`` as a float, or raise unless it is a positive finite number."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
@@ -106,7 +114,11 @@ class Options:
             compile time does not grow with depth (default True; False compiles the graph flat; see
             [Note: repeated blocks compiled once] in compile/passes/outline.py).
         reshard_after_forward: free gathered parameters after forward and gather again in backward
-            (default True, ZeRO-3 memory); False keeps them (less communication, more memory).
+            (default True, ZeRO-3 memory; or what ``fully_shard`` set); False keeps them (less
+            communication, more memory); an int k (FSDP2's meaning: the ranks of a node) keeps 1/k of
+            each bucket per rank and gathers backward's parameters within groups of k consecutive ranks
+            of the shard dim ([Note: reshard within a node after forward] in
+            compile/passes/reshard_within_groups.py).
         reshard_last_bucket: with ``reshard_after_forward``, also free the last bucket a graph
             gathers (default False: a graph that gathers several buckets keeps its last one for
             backward, which needs it first; see [Note: the last bucket stays gathered into backward]).
@@ -146,7 +158,7 @@ class Options:
     replicate_dim: int | str | None = None
     compiler: str = "inductor"
     compile_blocks_once: bool = True
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     reshard_last_bucket: bool = False
     overlap_last_reduce: bool = False
     prefetch_next_step: bool = False
@@ -181,6 +193,7 @@ class Options:
             raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")
         for name in ("param_dtype", "reduce_dtype"):
             check_mp_dtype(getattr(made, name), name)
+        check_reshard_after_forward(made.reshard_after_forward, "options['reshard_after_forward']")
         if made.prefetch < 0:
             raise ValueError(f"options['prefetch'] must be >= 0 buckets, got {made.prefetch}")
         if made.gradient_divide_factor is not None:

@@ -147,6 +147,9 @@ class DBuffer:
         # fully_shard's mp_policy: what graphs compiled without options["mp_policy"] gather and reduce in
         self.param_dtype: torch.dtype = dtype
         self.reduce_dtype: torch.dtype = dtype
+        # fully_shard's reshard_after_forward: what graphs compiled with the default option do after forward
+        # (True, False, or a node group size: [Note: reshard within a node after forward])
+        self.reshard_after_forward: bool | int = True
         # what eager calls gather in: the param_dtype of the last graph compiled over the bucket, else param_dtype
         self.compute_dtype: torch.dtype = dtype
         # names of parameters still holding the NaN placeholder ([Note: uninitialized shards] in buckets/uninitialized.py)
@@ -343,12 +346,13 @@ class DBuffer:
     # -- settings -------------------------------------------------------------------------------
     def apply_settings(self, *, gradient_sync: bool | None = None, gradient_divide_factor: float | None = None,
                        param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                       compute_dtype: torch.dtype | None = None) -> None:
+                       compute_dtype: torch.dtype | None = None, reshard_after_forward: bool | int | None = None) -> None:
         """Set the settings named; None leaves one as it is.
 
         ``gradient_sync`` and ``gradient_divide_factor``: see buckets/gradient_sync.py. ``param_dtype`` and
         ``reduce_dtype``: fully_shard's ``mp_policy`` (``param_dtype`` is then what eager calls gather in too).
         ``compute_dtype``: what eager calls gather in (a compiled graph sets its own ``param_dtype``).
+        ``reshard_after_forward``: fully_shard's (see :attr:`reshard_after_forward`).
         """
         if gradient_sync is not None:
             self.gradient_sync = gradient_sync
@@ -360,6 +364,8 @@ class DBuffer:
             self.reduce_dtype = reduce_dtype
         if compute_dtype is not None:
             self.compute_dtype = compute_dtype
+        if reshard_after_forward is not None:
+            self.reshard_after_forward = reshard_after_forward
 
     # -- eager collectives ----------------------------------------------------------------------
     def all_gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -7,13 +7,14 @@ and lives in :mod:`fsdp_pass.sharding.mesh_roles`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ShardingMesh", "check_mesh_is_current"]
+__all__ = ["NodeGroup", "ShardingMesh", "check_mesh_is_current", "check_reshard_group_size"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,57 @@ class ShardingMesh:
     @property
     def device_type(self) -> str:
         return "cpu" if self.mesh is None else self.mesh.device_type
+
+    def node_group(self, size: int) -> "NodeGroup":
+        """This rank's group of ``size`` consecutive ranks of the shard dim ([Note: reshard within a
+        node after forward] in compile/passes/reshard_within_groups.py). The process groups are made once
+        per (mesh, shard dim, size), by every rank in the same order: ``new_group`` is collective."""
+        check_reshard_group_size(size, self.shard_size, "reshard_after_forward")
+        key = (self.mesh, self.shard_dim, size)
+        if key not in _node_groups:
+            _node_groups[key] = _make_node_groups(self.mesh, self.shard_dim, size)
+        return _node_groups[key]
+
+
+class NodeGroup(NamedTuple):
+    """This rank's group of consecutive shard-dim ranks that backward gathers within (a node)."""
+
+    size: int  # ranks in the group (k)
+    index: int  # this rank's position in it: it keeps piece ``index`` of k of each gathered bucket
+    group_name: str  # the process group's name, for functional collectives
+
+
+# (mesh, shard dim, group size) -> this rank's NodeGroup: process groups are made once and live for the run
+_node_groups: dict[tuple, NodeGroup] = {}
+
+
+def check_reshard_group_size(size, shard_size: int, argument: str) -> None:
+    """Raise unless ``size`` is a group size the shard dim can be cut into: 1 < size < shard_size, dividing it."""
+    if isinstance(size, bool) or not isinstance(size, int) or not (1 < size < shard_size) or shard_size % size:
+        valid = [k for k in range(2, shard_size) if shard_size % k == 0]
+        raise ValueError(
+            f"{argument}={size!r} does not cut the shard dim of {shard_size} ranks into groups: use True (reshard "
+            f"over all {shard_size} ranks), False (keep parameters gathered) or a group size k with 1 < k < "
+            f"{shard_size} that divides {shard_size}" + (f": one of {valid}" if valid else
+                                                         f" (there is none for {shard_size} ranks)")
+        )
+
+
+def _make_node_groups(mesh: DeviceMesh, shard_dim: int, size: int) -> NodeGroup:
+    """Every shard-dim row of ``mesh`` cut into groups of ``size`` consecutive ranks; this rank's group."""
+    shard_group = mesh.get_group(shard_dim)
+    # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
+    timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
+    rows = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        for start in range(0, len(row), size):
+            ranks = row[start:start + size]
+            group = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                mine = NodeGroup(size, ranks.index(me), group.group_name)
+    return mine
 
 
 def check_mesh_is_current(buf) -> None:

@@ -9,12 +9,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .blocks import block_size
-from ..options import Fp8Options, check_mp_dtype, mp_policy_dtypes
+from ..options import Fp8Options, check_mp_dtype, check_reshard_after_forward, mp_policy_dtypes
 from .buckets import ShardingConfig, check_one_device
 from .fp8_select import plan_fp8
 from .materialize import shard_with_blocks
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh
+from ..buckets.mesh import check_reshard_group_size
 from ..buckets.uninitialized import check_meta_buffers_before_forward
 from ..interop.module_apply import keep_shards_on_apply
 
@@ -33,6 +34,7 @@ def fully_shard(
     align_bytes: int = 16,
     fp8_all_gather: bool | Mapping[str, Any] | None = None,
     mp_policy: Any = None,
+    reshard_after_forward: bool | int = True,
     init: str = "replay",
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
@@ -71,6 +73,11 @@ def fully_shard(
             ``torch.distributed.fsdp.MixedPrecisionPolicy``: the dtype the shards are gathered in (eager
             calls and compiled graphs) and the one compiled graphs reduce gradients in; master shards keep
             their dtype. A compile's ``options["mp_policy"]`` overrides it for that graph.
+        reshard_after_forward: what compiled graphs over these parameters do after forward (FSDP2's
+            meaning): True frees the gathered parameters, False keeps them, an int k keeps 1/k of each
+            bucket per rank and gathers backward's parameters within groups of k consecutive ranks of
+            the shard dim (k divides it, 1 < k < its size). A compile's
+            ``options["reshard_after_forward"]``, when not True, overrides it for that graph.
         init: for a meta-device model, ``"replay"`` (default) runs the model's own init into the
             shards as above; ``"skip"`` runs nothing, leaving every parameter and buffer to
             ``to_empty`` + the model's init (or a checkpoint).
@@ -80,11 +87,14 @@ def fully_shard(
     param_dtype, reduce_dtype = mp_policy_dtypes(mp_policy)
     check_mp_dtype(param_dtype, "param_dtype")
     check_mp_dtype(reduce_dtype, "reduce_dtype")
+    check_reshard_after_forward(reshard_after_forward, "fully_shard's reshard_after_forward")
     named = list(module.named_parameters(remove_duplicate=True))
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
                                  model_dims=model_mesh_dims(named))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     fp8 = plan_fp8(named, Fp8Options.parse(fp8_all_gather, "fully_shard's fp8_all_gather"), "fully_shard's fp8_all_gather")
+    if not isinstance(reshard_after_forward, bool):
+        check_reshard_group_size(reshard_after_forward, sharding_mesh.shard_size, "fully_shard's reshard_after_forward")
     check_one_device(named)
     meta_ids = {id(p) for _, p in named if p.is_meta}
     meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
@@ -97,7 +107,7 @@ def fully_shard(
         raise
     keep_shards_on_apply(module)  # [Note: Module._apply on sharded parameters]
     for buf in new:
-        buf.apply_settings(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        buf.apply_settings(param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
     meta.run()
     if meta.left_on_meta:
         check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)

@@ -1,0 +1,123 @@
+"""``reshard_after_forward=k``: after forward each rank keeps 1/k of every bucket, backward gathers within
+groups of k ranks ([Note: reshard within a node after forward]).
+
+Backward computes on the same gathered values as with ``True`` (a piece of forward's gather, gathered
+back), so every run here is bitwise the ``True`` run, whose parity with one process
+tests/test_compile_parity.py, test_fp8_all_gather.py and test_eager.py check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fsdp_pass
+from fsdp_pass.buckets.dbuffer import buffers_of
+from fsdp_pass.compile.backend import records
+from fsdp_pass.options import Options
+from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+
+WORLD, K = 4, 2
+STEPS = 2
+
+
+def _batch(step: int, batch: int = 8, seq: int = 8):
+    tokens = torch.randint(0, LlamaConfig().vocab, (batch, seq), generator=torch.Generator().manual_seed(300 + step))
+    return tokens, tokens
+
+
+def _train(rank: int, world: int, setting, mesh, *, per_block: bool = False, micro: int = 1, **sharding):
+    """Losses and the whole state after STEPS steps with ``reshard_after_forward=setting`` and the
+    ``sharding`` arguments (mp_policy, fp8_all_gather): through fully_shard for per-block compilation,
+    the compile options otherwise."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    options = {"mesh": mesh, "compiler": "aot_eager"}
+    if per_block:  # the eager embedding and head, each block a graph of one bucket
+        fsdp_pass.fully_shard(model, mesh, min_bucket_bytes=0, reshard_after_forward=setting, **sharding)
+        for block in model.layers:
+            block.compile(backend="vescale", options=options)
+        run = model
+    else:
+        run = torch.compile(model, backend="vescale", options={**options, **sharding, "reshard_after_forward": setting})
+    losses = []
+    for step in range(STEPS):
+        tokens, _ = _batch(step)
+        mine = tokens.chunk(world)[rank]
+        for i, part in enumerate(mine.chunk(micro)):
+            last = i == micro - 1
+            sync = contextlib.nullcontext() if last or step == 0 else fsdp_pass.no_sync(run)
+            with sync:
+                loss = lm_loss(run(part), part) / micro
+                loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, whole_state(model, opt), model, opt
+
+
+def _backward_gathers(record) -> list[str]:
+    return [line for name, code in record.graphs.items() if name.startswith("backward")
+            for line in code.splitlines() if "all_gather_into_tensor.default(" in line]
+
+
+def _cases(rank: int, world: int, tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    # bitwise the True run: the whole model compiled; blocks compiled one by one (fully_shard's setting)
+    # with mixed precision, FP8 gathers and no_sync
+    variants = {
+        "plain": {},
+        "per_block+bf16+fp8+no_sync": {"per_block": True, "micro": 2, "fp8_all_gather": {"tile": 16},
+                                       "mp_policy": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
+    }
+    for name, kwargs in variants.items():
+        exact_losses, exact, *_ = _train(rank, world, True, mesh, **kwargs)
+        losses, state, model, opt = _train(rank, world, K, mesh, **kwargs)
+        assert losses == exact_losses, f"{name}: losses {losses} != {exact_losses}"
+        for key, tensor in exact.items():
+            assert torch.equal(state[key], tensor), f"{name}: {key} differs from reshard_after_forward=True"
+        gathers = _backward_gathers(records()[-1])
+        assert gathers, f"{name}: backward gathers nothing: no bucket was resharded"
+        assert all(f", {K}, " in line for line in gathers), f"{name}: a backward all-gather spans more than {K} ranks"
+        if kwargs.get("per_block"):
+            assert all(b.reshard_after_forward == K for b in buffers_of(model)), "fully_shard's setting was not kept"
+        if name == "plain":  # checkpoints: the shards are the usual ones, DCP reshards them as ever
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=tmp)
+            if rank == 0:
+                torch.save(state, f"{tmp}/full.pt")
+            torch.distributed.barrier()
+            fresh = init_std(Llama(LlamaConfig()))
+            fsdp_pass.fully_shard(fresh, mesh, min_bucket_bytes=0)  # another bucketing
+            load_and_compare(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1), tmp, name)
+
+
+@pytest.mark.slow
+def test_reshard_within_groups_matches_one_process_and_reshard_true(tmp_path):
+    run_distributed(_cases, WORLD, str(tmp_path))
+
+
+@pytest.mark.parametrize("value", [0, 1, -2, 2.0, "node", None])
+def test_option_refuses_what_is_not_a_group_size(value):
+    with pytest.raises(ValueError, match=r"options\['reshard_after_forward'\] is .*use True .*False .*group size k"):
+        Options.from_dict({"reshard_after_forward": value})
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_group_size_must_cut_the_shard_dim(size):
+    from fsdp_pass.buckets.mesh import check_reshard_group_size
+
+    with pytest.raises(ValueError, match=r"reshard_after_forward=\d+ does not cut the shard dim of 4 ranks.*one of \[2\]"):
+        check_reshard_group_size(size, 4, "reshard_after_forward")
