@@ -88,7 +88,7 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     ``taken``: the buckets (slot → gather arguments) the graph takes already gathered in forward, which
     backward gathers again ([Note: the next step's first gather starts at the optimizer step])."""
     reshard = reshard_setting(opts.reshard_after_forward, buffers)
-    group_of = node_groups(reshard, buffers, taken) if reshard is not True else None  # int: within node groups
+    group_of = None if isinstance(reshard, bool) else node_groups(reshard, buffers, taken)  # k: within node groups
     joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of) \
         if reshard else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
