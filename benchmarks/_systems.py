@@ -27,10 +27,9 @@ class System:
     inductor: bool = False  # some of its compute runs Inductor-generated kernels
     compiled_fsdp: bool = False  # FSDP is inside compiled graphs: copies are counted on the graphs
     fsdp_pass: dict | None = None  # options for torch.compile(backend="vescale")
-    step_reduced_first: bool = False  # step with fsdp_pass.step_reduced_first(opt) instead of opt.step()
 
 
-_ACROSS_STEP_OFF = {"overlap_last_reduce": False, "prefetch_next_step": False}
+_ACROSS_STEP_OFF = {"overlap_last_reduce": False, "prefetch_next_step": False, "step_reduced_first": False}
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("single", "single process, no comm (inductor)", distributed=False, inductor=True),
@@ -57,14 +56,14 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
            inductor=True, compiled_fsdp=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "overlap_last_reduce": True}),
     System("fsdp_pass_inductor_reduced_first", "fsdp_pass inductor, last reduce-scatter into the step, reduced first",
-           inductor=True, compiled_fsdp=True, step_reduced_first=True,
-           fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "overlap_last_reduce": True}),
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF,
+                                                         "overlap_last_reduce": True, "step_reduced_first": True}),
     System("fsdp_pass_inductor_prefetch_step", "fsdp_pass inductor, first gather at the step",
            inductor=True, compiled_fsdp=True,
            fsdp_pass={"compiler": "inductor", "prefetch": 1, **_ACROSS_STEP_OFF, "prefetch_next_step": True}),
     System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, all three across the step",
-           inductor=True, compiled_fsdp=True, step_reduced_first=True,
-           fsdp_pass={"compiler": "inductor", "prefetch": 1, "overlap_last_reduce": True, "prefetch_next_step": True}),
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, "overlap_last_reduce": True,
+                                                         "prefetch_next_step": True, "step_reduced_first": True}),
 )}
 
 
@@ -231,12 +230,6 @@ class Training:
         self.model, self.notes = build_system(system, model, world, graph_sink)
         self.compile_config = self.notes.pop("compile_config", contextlib.nullcontext)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        if system.step_reduced_first:
-            import fsdp_pass
-
-            self.optimizer_step = lambda: fsdp_pass.step_reduced_first(self.opt)
-        else:
-            self.optimizer_step = self.opt.step
         self.losses: list[float] = []
 
     def step(self, i: int) -> tuple[float, float, float]:
@@ -256,7 +249,7 @@ class Training:
                 loss.backward()
             t2 = time.perf_counter()
             with record_function(PHASES[2]):
-                self.optimizer_step()
+                self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
             t3 = time.perf_counter()
         self.losses.append(loss.item())

@@ -9,7 +9,6 @@ from .compile import backend as _backend  # registers the "vescale" backend
 from .sharding.blocks import set_block
 from .compile.explain import explain
 from .sharding.fully_shard import fully_shard
-from .step.reduced_first import step_reduced_first
 from .buckets.gradient_sync import no_sync, reduce_gradients, set_gradient_divide_factor, set_requires_gradient_sync
 from .placement import RaggedShard
 from .planner import Layout, TensorSpec, plan, plan_buckets
@@ -35,7 +34,6 @@ __all__ = [
     "set_gradient_divide_factor",
     "set_requires_gradient_sync",
     "set_state_dict_type",
-    "step_reduced_first",
     "unshard",
 ]
 __version__ = "0.1.0"

@@ -130,6 +130,11 @@ class Options:
             buckets) when the optimizer step ends, so they overlap what runs until the next forward;
             that forward takes them unless a rank's shard changed since (default False; see [Note: the
             next step's first gather starts at the optimizer step] in step/prefetch.py).
+        step_reduced_first: while the last reduce-scatter is in flight (``overlap_last_reduce``), an
+            optimizer's ``step()`` runs over the parameters whose gradients are reduced first, then over
+            the rest, through torch's optimizer step hooks (default False; see [Note: the reduced
+            gradients are stepped first] in step/reduced_first.py). Only for optimizers whose update of
+            a parameter reads nothing of the others (torch's and fsdp_pass's all qualify).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
         bucket_size: most elements in one communication bucket (default: one bucket per module unit,
@@ -162,6 +167,7 @@ class Options:
     reshard_last_bucket: bool = False
     overlap_last_reduce: bool = False
     prefetch_next_step: bool = False
+    step_reduced_first: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     bucket_size: int | None = None
@@ -174,7 +180,7 @@ class Options:
     gradient_divide_factor: float | None = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "reshard_after_forward", "reshard_last_bucket",
-              "overlap_last_reduce", "prefetch_next_step", "mp_policy", "bucket_size",
+              "overlap_last_reduce", "prefetch_next_step", "step_reduced_first", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor")
 

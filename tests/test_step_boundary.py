@@ -37,7 +37,8 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 
 def _pair():
-    """The same model twice: compiled with and without ``overlap_last_reduce`` and ``prefetch_next_step``."""
+    """The same model twice: compiled with and without ``overlap_last_reduce``, ``prefetch_next_step`` and
+    ``step_reduced_first``."""
     torch.manual_seed(0)
     model = init_std(Llama(LlamaConfig()))
     models = []
@@ -45,7 +46,7 @@ def _pair():
         m = copy.deepcopy(model)
         models.append(torch.compile(m, backend="vescale", options={
             "compiler": "aot_eager", "min_bucket_bytes": 0, "overlap_last_reduce": overlap,
-            "prefetch_next_step": overlap}))
+            "prefetch_next_step": overlap, "step_reduced_first": overlap}))
     return models
 
 
@@ -129,8 +130,8 @@ class _MuonAndAdamW:
 
 
 def _reduced_first(first, passes: list) -> Callable:
-    """A step: ``fsdp_pass.step_reduced_first`` on model ``first``'s optimizers (recording, per pass,
-    whether a reduce-scatter was still in flight when it ended), ``optimizer.step()`` on the other's."""
+    """A step, ``optimizer.step()``, recording on model ``first``'s optimizers, per pass, whether a
+    reduce-scatter was still in flight when it ended (``step_reduced_first`` splits their steps)."""
 
     def record(optimizer, args, kwargs):
         passes.append(any_in_flight())
@@ -138,9 +139,11 @@ def _reduced_first(first, passes: list) -> Callable:
     def step(model, opt) -> None:
         for o in getattr(opt, "optimizers", [opt]):
             if model is first:
+                groups = [[id(p) for p in g["params"]] for g in o.param_groups]
                 handle = o.register_step_post_hook(record)
-                fsdp_pass.step_reduced_first(o)
+                o.step()
                 handle.remove()
+                assert [[id(p) for p in g["params"]] for g in o.param_groups] == groups, "a split step left its groups narrowed"
             else:
                 o.step()
         opt.zero_grad()
@@ -211,7 +214,7 @@ def _cases(rank: int, world: int) -> None:
                            ("AdamW fused", lambda m: torch.optim.AdamW(m.parameters(), fused=True)), ("SGD", _sgd),
                            ("Muon and AdamW", _MuonAndAdamW), ("Shampoo", _shampoo), ("AdamW8bit", _adamw8bit)):
         passes: list[bool] = []
-        _train(f"{name}, step_reduced_first", rank, models, make_opt, {"step": _reduced_first(models[0], passes)},
+        _train(f"{name}, split by step_reduced_first", rank, models, make_opt, {"step": _reduced_first(models[0], passes)},
                steps=1)
         if make_opt in (_MuonAndAdamW, _shampoo, _adamw8bit):
             # They redistribute the blocks a rank boundary cuts in this pair's layout. On CPU a collective

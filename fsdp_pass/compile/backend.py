@@ -48,7 +48,7 @@ from .. import log
 from ..options import Options
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import Rewritten, copy_dynamo_graph, hand_out_gradients, take_prefetched
-from ..step import deferred_reduce, prefetch as step_prefetch
+from ..step import deferred_reduce, prefetch as step_prefetch, reduced_first
 from ..tensor import in_flight
 from ..buckets import uninitialized
 from ..buckets.dbuffer import DBuffer, pending_leaf
@@ -182,6 +182,9 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         else:
             unreduced = plain
             leaves = [deferred_reduce.deferred_input(buffers[i], configs[i]) for i in plain]
+            if opts.step_reduced_first:  # [Note: the reduced gradients are stepped first]
+                for i in plain:
+                    reduced_first.enable(buffers[i])
         prefetched = bool(taken) and _take_prefetched(buffers)
         if not prefetched:
             step_prefetch.discard(buffers)

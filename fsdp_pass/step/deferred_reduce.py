@@ -22,8 +22,9 @@ gradients run while the transfer is in flight. On CPU, any other collective fsdp
 (an optimizer's redistribute, a norm's all-reduce, an eager gather, the next step's prefetched
 gathers) waits for it before it starts (``settle_before_collective`` in tensor/in_flight.py, [Note: one collective in
 flight on gloo] in compile/passes/schedule.py). A foreach or fused optimizer reads every gradient in
-its first kernel; ``fsdp_pass.step_reduced_first(opt)`` (step/reduced_first.py) steps the other buckets'
-parameters first, so their whole update runs while it is in flight. The values are today's exactly:
+its first kernel; ``step_reduced_first`` ([Note: the reduced gradients are stepped first] in
+step/reduced_first.py) steps the other buckets' parameters first, so their whole update runs while it
+is in flight. The values are today's exactly:
 the same reduce-scatter of the same gradient, then the same IEEE division. It applies only where
 the wait is the last thing needed: one shard group (an HSDP all-reduce would be a collective at the
 reader, who may be one rank only), reduce dtype = master dtype (the views are of the reduce-scatter's

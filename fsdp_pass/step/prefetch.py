@@ -12,9 +12,11 @@ and nothing in the graph hides them. With ``prefetch_next_step`` on, the optimiz
   that the optimizer holds a parameter of (so after the last write to those shards that this
   optimizer makes), and records each shard's version counter, both kept on the bucket
   (``DBuffer.prefetched``); a frozen bucket, which no optimizer holds, is issued at the first
-  optimizer's step. A second optimizer holding one of them issues that one again (the first one's
-  copy may be stale): Muon for the matrices and AdamW for the rest share a layer's bucket. Every
-  rank steps the same optimizers, as in any data-parallel loop: the hook issues collectives;
+  optimizer's step. A second optimizer holding one of them issues that one again if it wrote the
+  shard since (Muon for the matrices and AdamW for the rest share a layer's bucket); one whose shard
+  is unchanged keeps its gather (a step split by ``step_reduced_first`` steps the bucket in its first
+  pass, and the whole step ends after the second). Every rank steps the same optimizers, as in any
+  data-parallel loop: the hook issues collectives;
 * the next call of that graph takes them (:func:`take`): it runs the graph variant whose
   ``gather_bucket`` for those buckets takes the buffer handed over to it (``fsdp_pass::take_gathered``,
   an op where the gather was, so the graph frees the buffer after its last use; compile/passes/rewrite.py
@@ -124,8 +126,9 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             continue
         if buf.shard.requires_grad and not any(id(p) in held for p in buf.params.values()):
             continue
-        if not buf.shard.requires_grad and buf.prefetched is not None:
-            continue  # frozen: no step writes it, any optimizer's step issues it once
+        entry = buf.prefetched
+        if entry is not None and entry.version == buf.shard._version and entry.config == config:
+            continue  # issued after the last write to its shard: still good (a frozen bucket, a split step)
         _discard(buf)
         settle_before_collective(buf.shard.device)
         with torch.no_grad():
