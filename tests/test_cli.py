@@ -52,7 +52,7 @@ def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
     for key in ("model", "world_size", "mesh_shape", "params", "padding", "buckets", "per_rank_bytes",
                 "comm_bytes_per_rank", "seconds"):
         assert key in out
-    assert set(out["per_rank_bytes"]) == {"params", "grads", "optimizer", "gathered_peak", "total"}
+    assert set(out["per_rank_bytes"]) == {"params", "grads", "optimizer", "gathered_peak", "kept_after_forward", "total"}
     m, total, padding = 16384, total_params("llama3-70b"), out["padding"]["elements"]
     assert out["params"] == total
     assert (total + padding) % m == 0
@@ -60,6 +60,27 @@ def test_plan_llama3_70b_at_16384_ranks_within_a_minute():
     assert out["buckets"]["count"] == 83  # 80 layers + embeddings, final norm, output head
     # Ring all-gather: each rank sends (m-1)/m of the gathered model.
     assert out["comm_bytes_per_rank"]["all_gather_forward"] == (m - 1) * out["per_rank_bytes"]["params"]
+
+
+def test_plan_what_if_reshard_after_forward_within_nodes(capsys):
+    """reshard_after_forward=8 at 16384 ranks: backward's all-gathers stay inside nodes of 8, each moving 7
+    pieces of bucket / 8; forward and the reduce-scatter are the True run's; each rank keeps bucket / 8."""
+    runs = {}
+    for flags in ([], ["--reshard-after-forward", "8"], ["--no-reshard-after-forward"]):
+        assert main(["plan", "--model", "llama3-8b", "--world-size", "16384", "--node-size", "8", "--json", *flags]) == 0
+        runs[tuple(flags)] = json.loads(capsys.readouterr().out)
+    true, k, false = runs.values()
+    link = lambda out, name: out["comm_bytes_by_link"][name]  # noqa: E731
+    assert link(k, "all_gather_backward")["across_nodes"] == 0
+    assert link(true, "all_gather_backward")["across_nodes"] > 0
+    assert link(k, "all_gather_forward") == link(true, "all_gather_forward")
+    assert link(k, "reduce_scatter") == link(true, "reduce_scatter")
+    kept_false = false["per_rank_bytes"]["kept_after_forward"]
+    assert true["per_rank_bytes"]["kept_after_forward"] == 0
+    assert k["per_rank_bytes"]["kept_after_forward"] == kept_false // 8
+    assert link(k, "all_gather_backward")["inside_node"] == pytest.approx(7 * kept_false / 8, rel=1e-6)
+    with pytest.raises(SystemExit, match=r"--reshard-after-forward=3 does not cut the shard dim of 16384 ranks"):
+        main(["plan", "--model", "llama3-8b", "--world-size", "16384", "--reshard-after-forward", "3"])
 
 
 @pytest.mark.parametrize("model,flag", [("llama3-70b", "--tp"), ("gpt-oss-120b", "--ep")])

@@ -85,13 +85,22 @@ def _element_count(text: str) -> int:
     return int(value)
 
 
+def _reshard_after_forward(args: argparse.Namespace) -> bool | int:
+    if args.no_reshard_after_forward and args.reshard_after_forward is not None:
+        raise SystemExit("plan: give --no-reshard-after-forward or --reshard-after-forward K, not both")
+    if args.no_reshard_after_forward:
+        return False
+    return True if args.reshard_after_forward is None else args.reshard_after_forward
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     mesh_shape = _mesh_shape(args)
     block_rows = args.block_rows if args.block_rows is not None else BLOCK_POLICIES[args.block_policy]
     param_dtype = DTYPES[args.param_dtype]
     options = dict(bucket_size=args.bucket_size, block_rows=block_rows, param_dtype=param_dtype,
                    reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                   optimizer=args.optimizer, reshard_after_forward=not args.no_reshard_after_forward)
+                   optimizer=args.optimizer, reshard_after_forward=_reshard_after_forward(args),
+                   node_size=args.node_size)
     parallel = dict(tp=args.tp, ep=args.ep, fp8=args.fp8)
     started = time.perf_counter()
     try:
@@ -155,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="adamw: 2 fp32 states per element; sgd: 1 (momentum); none (default: adamw)")
     plan.add_argument("--no-reshard-after-forward", action="store_true",
                       help="keep gathered parameters from forward to backward (no backward all_gather)")
+    plan.add_argument("--reshard-after-forward", type=int, metavar="K",
+                      help="keep 1/K of each bucket after forward; backward gathers within groups of K ranks "
+                           "(K divides the shard ranks; e.g. the ranks of a node)")
+    plan.add_argument("--node-size", type=int, default=8,
+                      help="ranks per node, for the bytes received inside and across nodes (default 8)")
     plan.add_argument("--fp8", action="store_true",
                       help="all-gather block weights as FP8 codes + 128x128 tile scales (docs/fp8.md): "
                            "the all_gather bytes with and without")

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .parallel_rules import composed_mesh_and_parameters
 from ..buckets.dbuffer import DBuffer
+from ..buckets.mesh import check_reshard_group_size
 from ..sharding.blocks import block_elements
 from ..options import Fp8Options
 from ..sharding.fp8_select import plan_fp8
@@ -79,6 +80,12 @@ class PlanSummary:
     (one in use and one prefetched). Communication is ring cost: per collective each rank sends
     ``(m-1)/m`` of the gathered (or reduced) bytes and receives as much; an HSDP all-reduce over
     ``r`` replicas sends ``2(r-1)/r`` of the gradient shard.
+
+    Inside and across nodes (:meth:`comm_bytes_by_link`): ranks are in nodes of ``node_size``
+    consecutive ranks, shard groups are consecutive ranks, HSDP replicas are on other nodes; what a
+    rank receives from each peer is counted where that peer lives (an all-gather of pieces of b bytes
+    over g ranks: b from each of g - 1 peers). With ``reshard_after_forward=k`` backward gathers within
+    groups of k ranks: k - 1 pieces of the bucket / k each ([Note: reshard within a node after forward]).
     """
 
     model: str
@@ -88,13 +95,14 @@ class PlanSummary:
     optimizer: str
     block_rows: int
     bucket_size: int | None
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
     buckets: tuple[BucketStats, ...]
     least_padding_on_a_rank: int  # fewest padding elements one rank holds in trainable buckets
     seconds: float
     tp: int = 1  # tensor parallel ranks, next to mesh_shape
     ep: int = 1  # expert parallel ranks, part of the shard ranks
     fp8: bool = False  # --fp8: block weights all-gathered as FP8 codes + tile scales (docs/fp8.md)
+    node_size: int = 8  # ranks per node: inside / across nodes in comm_bytes_by_link
 
     @property
     def world_size(self) -> int:
@@ -125,31 +133,61 @@ class PlanSummary:
         optimizer = OPTIMIZER_STATES[self.optimizer] * OPTIMIZER_STATE_BYTES * real_elements
         largest = max((b.global_size for b in self.buckets), default=0)
         gathered = PREFETCHED_BUCKETS * largest * self.param_dtype.itemsize
+        kept = self.kept_after_forward_bytes()
         return {"params": params, "grads": grads, "optimizer": optimizer, "gathered_peak": gathered,
-                "total": params + grads + optimizer + gathered}
+                "kept_after_forward": kept, "total": params + grads + optimizer + gathered + kept}
+
+    def kept_after_forward_bytes(self) -> int:
+        """Gathered parameter bytes a rank holds from forward into backward, besides the last bucket (kept in
+        every setting): none when resharding over all ranks, each bucket / k with k, each bucket with False."""
+        k = self.reshard_after_forward
+        if k is True:
+            return 0
+        resharded = self.buckets[:-1] if len(self.buckets) > 1 else self.buckets
+        whole = sum(b.copies * b.global_size for b in resharded) * self.param_dtype.itemsize
+        return whole if k is False else whole // k
 
     def comm_bytes_per_rank(self) -> dict[str, int]:
         """Bytes each rank sends per training step (it receives as many)."""
-        r = self.replicate_size
-        plain = self.param_dtype.itemsize
-        sent = [b.copies * (b.world_size - 1) * (b.fp8_bytes or b.shard_size * plain) for b in self.buckets]
-        gather = sum(sent)
-        # backward gathers every bucket again but the last ([Note: the last bucket stays gathered into backward])
-        gather_backward = gather - (sent[-1] if len(sent) > 1 else 0)
-        trainable = [b for b in self.buckets if b.trainable]
-        grad_shards = sum(b.copies * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
-        scatter = sum(b.copies * (b.world_size - 1) * b.shard_size for b in trainable) * self.reduce_dtype.itemsize
-        out = {
-            "all_gather_forward": gather,
-            "all_gather_backward": gather_backward if self.reshard_after_forward else 0,
-            "reduce_scatter": scatter,
-            "all_reduce_replicas": 2 * (r - 1) * grad_shards // r,
-        }
+        out = {name: inside + across for name, (inside, across) in self.comm_bytes_by_link().items()}
         out["total"] = sum(out.values())
         if self.fp8:
+            plain = self.param_dtype.itemsize
             out["all_gather_forward_without_fp8"] = sum(
                 b.copies * (b.world_size - 1) * b.shard_size for b in self.buckets) * plain
         return out
+
+    def comm_bytes_by_link(self) -> dict[str, tuple[int, int]]:
+        """Per collective, the bytes a rank receives per step from peers (inside its node, on other nodes)."""
+        plain, reduce = self.param_dtype.itemsize, self.reduce_dtype.itemsize
+        r = self.replicate_size
+        k = self.reshard_after_forward
+
+        def peers(group: int) -> tuple[int, int]:  # (inside, across) peers of a group of consecutive ranks
+            inside = min(group, self.node_size) - 1
+            return inside, group - 1 - inside
+
+        def add(total: list[int], group: int, piece: float) -> None:
+            inside, across = peers(group)
+            total[0] += round(inside * piece)
+            total[1] += round(across * piece)
+
+        forward, backward, scatter, grad_shards = [0, 0], [0, 0], [0, 0], 0
+        for i, b in enumerate(self.buckets):
+            piece = b.copies * (b.fp8_bytes or b.shard_size * plain)
+            add(forward, b.world_size, piece)
+            # backward gathers every bucket again but the last ([Note: the last bucket stays gathered into backward])
+            if k is False or (i == len(self.buckets) - 1 and len(self.buckets) > 1):
+                pass
+            elif k is True or b.world_size <= k:
+                add(backward, b.world_size, piece)
+            else:  # the bucket / k from each of the k - 1 others of the group (param_dtype: kept dequantized)
+                add(backward, k, b.copies * b.global_size * plain / k)
+            if b.trainable:
+                add(scatter, b.world_size, b.copies * b.shard_size * reduce)
+                grad_shards += b.copies * b.shard_size * reduce
+        return {"all_gather_forward": tuple(forward), "all_gather_backward": tuple(backward),
+                "reduce_scatter": tuple(scatter), "all_reduce_replicas": (0, 2 * (r - 1) * grad_shards // r)}
 
     def to_dict(self) -> dict:
         return {
@@ -178,6 +216,9 @@ class PlanSummary:
             },
             "per_rank_bytes": self.per_rank_bytes(),
             "comm_bytes_per_rank": self.comm_bytes_per_rank(),
+            "node_size": self.node_size,
+            "comm_bytes_by_link": {name: {"inside_node": inside, "across_nodes": across}
+                                   for name, (inside, across) in self.comm_bytes_by_link().items()},
             "seconds": round(self.seconds, 3),
         }
 
@@ -214,6 +255,7 @@ class PlanSummary:
             f"  optimizer        {_size(mem['optimizer'])}   ({self.optimizer}: {states} fp32 states per element)",
             f"  gathered (peak)  {_size(mem['gathered_peak'])}   "
             f"(largest bucket x{PREFETCHED_BUCKETS}: in use + prefetched)",
+            f"  kept after fwd   {_size(mem['kept_after_forward'])}   ({self._backward_gathers()})",
             f"  total            {_size(mem['total'])}",
         ]
         comm = self.comm_bytes_per_rank()
@@ -222,14 +264,27 @@ class PlanSummary:
             f"  all_gather forward       {_size(comm['all_gather_forward'])}"
             + (f"   (without FP8: {_size(comm['all_gather_forward_without_fp8'])})" if self.fp8 else ""),
             f"  all_gather backward      {_size(comm['all_gather_backward'])}"
-            f"   ({'reshard after forward' if self.reshard_after_forward else 'kept from forward'})",
+            f"   ({self._backward_gathers()})",
             f"  reduce_scatter           {_size(comm['reduce_scatter'])}   "
             f"({_dtype_name(self.reduce_dtype)} gradients)",
         ]
         if r > 1:
             lines.append(f"  all_reduce (replicas)    {_size(comm['all_reduce_replicas'])}")
-        lines += [f"  total                    {_size(comm['total'])}", f"planned in {self.seconds:.2f} s"]
+        lines.append(f"  total                    {_size(comm['total'])}")
+        by_link = self.comm_bytes_by_link()
+        inside, across = (sum(v[i] for v in by_link.values()) for i in (0, 1))
+        lines += [f"  of it from ranks inside the node ({self.node_size} ranks): {_size(inside)}",
+                  f"  of it from other nodes:                   {_size(across)}",
+                  f"    all_gather backward across nodes:       {_size(by_link['all_gather_backward'][1])}",
+                  f"planned in {self.seconds:.2f} s"]
         return "\n".join(lines)
+
+
+    def _backward_gathers(self) -> str:
+        k = self.reshard_after_forward
+        if k is True:
+            return "reshard after forward"
+        return "kept from forward" if k is False else f"reshard after forward to groups of {k} ranks"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -294,10 +349,11 @@ def plan_model(
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     tp: int = 1,
     ep: int = 1,
     fp8: bool = False,
+    node_size: int = 8,
 ) -> PlanSummary:
     """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
@@ -309,10 +365,16 @@ def plan_model(
     rules are :mod:`fsdp_pass.plan.parallel_rules`. Each parameter is then sharded over the ranks its split
     leaves (:class:`~fsdp_pass.sharding.mesh_roles.ParallelMesh`). ``fp8``: the weights
     ``options={"fp8_all_gather": True}`` selects get 128-row blocks and FP8 buckets (docs/fp8.md).
+    ``reshard_after_forward``: True, False or a group size k (checked against the shard ranks);
+    ``node_size``: ranks per node, for the communication inside and across nodes.
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
         raise ValueError(f"mesh shape {mesh_shape} must be 1-D (FSDP) or 2-D (replicate, shard) of positive sizes")
+    if not isinstance(reshard_after_forward, bool):
+        check_reshard_group_size(reshard_after_forward, mesh_shape[-1], "--reshard-after-forward")
+    if node_size < 1:
+        raise ValueError(f"--node-size {node_size} must be a positive number of ranks per node, e.g. 8")
     if tp < 1 or ep < 1 or mesh_shape[-1] % ep:
         raise ValueError(f"--ep {ep} must divide the shard ranks {mesh_shape[-1]}, and --tp {tp} must be >= 1")
     named = list(model.named_parameters())
@@ -342,7 +404,7 @@ def plan_model(
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
                        bucket_size, reshard_after_forward, tuple(stats), least_padding,
-                       time.perf_counter() - started, tp, ep, fp8)
+                       time.perf_counter() - started, tp, ep, fp8, node_size)
 
 
 def _fp8_bytes(buf: DBuffer) -> int:
