@@ -8,9 +8,9 @@ two runs of the same system differed by up to 110 ms of 390 (docs/benchmarks.md)
 effects to be measured. Here every system lives in the same two processes (a model, an optimizer and
 compiled graphs each, built and warmed up one after another); a round runs each system for a few
 steps, in turn, the order rotated by one system each round, so a spike longer than a few steps hits
-the systems of that round alike. Systems are compared round by round: A's median step in round r over
-B's in round r; the report gives the median of those ratios, their range, and in how many rounds A
-was no slower. A second instance of one system (the twin, built and compiled like the first) measures
+the systems of that round alike. Systems are compared round by round: A's fastest step in round r
+over B's in round r (``round_times``); the report gives the median of those ratios, their range,
+and in how many rounds A was no slower. A second instance of one system (the twin, built and compiled like the first) measures
 what the method resolves: its ratios to the first would all be 1.00 on a quiet machine.
 
 Between two systems' slices each rank waits at a barrier, and the first step of each slice is not
@@ -76,10 +76,13 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
     return out
 
 
-def round_medians(ranks: list[dict], tag: str) -> list[float]:
-    """Per round, the median over its timed steps of the slowest rank's step time (seconds)."""
+def round_times(ranks: list[dict], tag: str) -> list[float]:
+    """Per round, the fastest of its timed steps, each step timed on its slowest rank (seconds).
+
+    The fastest, not the median: other work on the cores only ever slows a step down, so the least
+    disturbed step of a slice is the closest to what the system itself costs."""
     rounds = zip(*(r[tag]["rounds"] for r in ranks))
-    return [statistics.median(max(steps) for steps in zip(*per_rank)) for per_rank in rounds]
+    return [min(max(steps) for steps in zip(*per_rank)) for per_rank in rounds]
 
 
 def ratio_summary(ratios: list[float]) -> dict:
@@ -89,14 +92,14 @@ def ratio_summary(ratios: list[float]) -> dict:
 
 
 def per_round_ratios(a: list[float], b: list[float]) -> list[float]:
-    """System A's round medians over system B's, round by round."""
+    """System A's round times over system B's, round by round."""
     return [x / y for x, y in zip(a, b)]
 
 
 def summarize(ranks: list[dict], tags: list[str], references: list[str]) -> list[dict]:
-    """One row per tag: its round medians, and its per-round ratios to each of ``references`` that ran
+    """One row per tag: its time in each round, and its per-round ratios to each of ``references`` that ran
     (``ratio_summary``)."""
-    medians = {tag: round_medians(ranks, tag) for tag in tags}
+    per_round = {tag: round_times(ranks, tag) for tag in tags}
     r0 = ranks[0]
     rows = []
     for tag in tags:
@@ -105,9 +108,9 @@ def summarize(ranks: list[dict], tags: list[str], references: list[str]) -> list
             "tag": tag, "key": system.key,
             "label": system.label + (" (second instance)" if tag.endswith(TWIN) else ""),
             "params": r0[tag]["params"], "notes": r0[tag]["notes"],
-            "round_medians_s": medians[tag], "median_s": statistics.median(medians[tag]),
+            "round_s": per_round[tag], "median_s": statistics.median(per_round[tag]),
             "compile_s": max(r[tag]["compile_s"] for r in ranks), "losses_rank0": r0[tag]["losses"],
-            "ratios": {ref: ratio_summary(per_round_ratios(medians[tag], medians[ref]))
-                       for ref in references if ref in medians and ref != tag},
+            "ratios": {ref: ratio_summary(per_round_ratios(per_round[tag], per_round[ref]))
+                       for ref in references if ref in per_round and ref != tag},
         })
     return rows

@@ -548,19 +548,19 @@ def _ratio_cell(s: dict | None) -> str:
 
 
 def round_robin_table(rows: list[dict], references: list[str]) -> str:
-    """Per system: round medians, the median of them, its ratios to each reference, whether its losses
+    """Per system: its time in each round (``_round_robin.round_times``), their median, its ratios to each reference, whether its losses
     are bitwise OURS's (fsdp_pass systems), its first step (compiles included, caches warmed by the
     systems built before it in the same process)."""
     labels = {r["tag"]: r["label"] for r in rows}
     refs = [ref for ref in references if ref in labels]
     ours = next((r for r in rows if r["tag"] == OURS), None)
-    head = ("system", "round medians ms", "median ms", *[f"x {labels[ref]}" for ref in refs],
+    head = ("system", "per round ms", "median ms", *[f"x {labels[ref]}" for ref in refs],
             f"losses = {OURS}'s", "first step s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         same = "-" if ours is None or not r["key"].startswith("fsdp_pass") else (
             "bitwise" if r["losses_rank0"] == ours["losses_rank0"] else "differ")
-        lines.append(f"| {r['label']} | {' '.join(f'{1e3 * m:.0f}' for m in r['round_medians_s'])} "
+        lines.append(f"| {r['label']} | {' '.join(f'{1e3 * m:.0f}' for m in r['round_s'])} "
                      f"| {1e3 * r['median_s']:.0f} | {' | '.join(_ratio_cell(r['ratios'].get(ref)) for ref in refs)} "
                      f"| {same} | {r['compile_s']:.0f} |")
     return "\n".join(lines)

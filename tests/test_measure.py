@@ -1,4 +1,5 @@
-"""The step-time benchmark's measurement rules (``benchmarks/_measure.py``) on hand-built inputs, no processes.
+"""The step-time benchmark's measurement rules (``benchmarks/_measure.py``, ``benchmarks/_round_robin.py``) on
+hand-built inputs, no processes.
 
 ``graph_copy_bytes``: which copies on a collective's data path a graph pays for, under Inductor and
 aot_eager. ``per_collective``: how profiler events become one row per collective.
@@ -14,6 +15,7 @@ import torch.fx as fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _measure as M  # noqa: E402
+import _round_robin as RR  # noqa: E402
 
 from fsdp_pass.buckets.matmul_into import matmul_into  # noqa: E402
 
@@ -115,3 +117,14 @@ def test_per_collective_pairs_issue_transfer_and_wait():
     assert (scatter["hidden_ms"], scatter["exposed_ms"]) == (3.8, 0.2)
     assert M.first_and_last(rows) == {"first_ag": "AG0", "first_ag_exposed_ms": 1.0,
                                       "last_rs": "RS0", "last_rs_exposed_ms": 0.2}
+
+
+def test_round_robin_compares_round_by_round():
+    """A step is timed on its slowest rank; a round's time is its fastest step; systems compare per round."""
+    ranks = [{"a": {"rounds": [[1.0, 0.5, 0.9], [2.0, 3.0, 2.5]]}, "b": {"rounds": [[1.1, 1.0, 1.2], [2.0, 2.0, 2.0]]}},
+             {"a": {"rounds": [[0.8, 0.7, 0.6], [2.2, 1.0, 3.0]]}, "b": {"rounds": [[1.0, 0.9, 1.3], [4.0, 2.2, 1.0]]}}]
+    a, b = RR.round_times(ranks, "a"), RR.round_times(ranks, "b")
+    assert a == [0.7, 2.2] and b == [1.0, 2.0]  # min over steps of max over ranks
+    summary = RR.ratio_summary(RR.per_round_ratios(a, b))
+    assert summary["ratios"] == [0.7 / 1.0, 2.2 / 2.0] and summary["no_slower"] == 1 and summary["rounds"] == 2
+    assert RR.ratio_summary([1.0, 1.0, 1.2])["no_slower"] == 2  # as fast counts as no slower
