@@ -238,8 +238,12 @@ def _cases(rank: int, world: int) -> None:
     # the reduce-scatter first. Last: Dynamo may serve the models above with these models' graphs.
     planned = _pair()
     _train("Shampoo, planned for it", rank, planned, _shampoo, {"step": _step}, steps=2)
-    # The option changed the graph: the first bucket's gradient leaves it unreduced.
+    # The option changed the graph: the first bucket's gradient leaves it unreduced; explain() says so.
     assert buffers_of(models[0])[0].deferred is not None and buffers_of(models[1])[0].deferred is None
+    plans = [fsdp_pass.explain(m, print_output=False).plan_text() for m in models]
+    assert "across the step: bucket 0's reduce-scatter leaves backward in flight" in plans[0], plans[0]
+    assert "step_reduced_first" in plans[0] and "issues the all-gathers of buckets 0, 1" in plans[0], plans[0]
+    assert "across the step" not in plans[1], plans[1]
 
 
 def test_last_reduce_scatter_in_flight_into_the_step_is_bitwise_the_same():

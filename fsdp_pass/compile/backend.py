@@ -68,6 +68,7 @@ class CompiledGraph:
     options: Options
     _buffer_refs: list[weakref.ref] = field(default_factory=list)
     graphs: dict[str, str] = field(default_factory=dict)  # stage name → readable graph
+    across_step: list[str] = field(default_factory=list)  # what of its communication crosses the step boundary
     modules: dict[str, fx.GraphModule] = field(default_factory=dict)  # stage name → graph, for tests and tools
 
     @property
@@ -153,6 +154,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     deferred = _deferred_bucket(rewritten, gathered_first) if opts.overlap_last_reduce else None
     plain = frozenset() if deferred is None else frozenset({deferred})
     taken = _prefetched_buckets(rewritten, gathered_first, opts.prefetch) if opts.prefetch_next_step else []
+    record.across_step = _across_step_lines(rewritten, deferred, taken, opts)
     variants = _Variants(rewritten, opts, record, torch._guards.TracingContext.get().fake_mode, rest, trainable, taken)
     # Inside Dynamo's call: what this compile adds to the shape environment is in the guards Dynamo
     # builds once the backend returns.
@@ -237,6 +239,21 @@ def _deferred_bucket(rewritten: Rewritten, gathered: list[int]) -> int | None:
     last reduce-scatter overlaps the optimizer step]: a block compiled on its own keeps its reduce-scatter)."""
     trainable = [i for i in gathered if rewritten.buffers[i].shard.requires_grad]
     return trainable[0] if len(trainable) > 1 else None
+
+
+def _across_step_lines(rewritten: Rewritten, deferred: int | None, taken: list[int], opts: Options) -> list[str]:
+    """What ``explain()`` says of the graph's communication across the step boundary."""
+    lines = []
+    if deferred is not None:
+        lines.append(f"bucket {rewritten.buffers[deferred].index}'s reduce-scatter leaves backward in flight, waited "
+                     f"where its gradient is first read (overlap_last_reduce)"
+                     + ("; optimizer steps run over the other buckets first (step_reduced_first)"
+                        if opts.step_reduced_first else ""))
+    if taken:
+        names = ", ".join(str(rewritten.buffers[i].index) for i in taken)
+        lines.append(f"the optimizer step issues the all-gathers of buckets {names} for the next forward "
+                     f"(prefetch_next_step)")
+    return lines
 
 
 def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from .backend import records
 from ..buckets.dbuffer import DBuffer, buffers_of
+from ..options import Options
 
 __all__ = ["Explanation", "explain"]
 
@@ -18,6 +19,8 @@ class Explanation:
 
     buffers: list[DBuffer]
     graphs: list[dict[str, str]] = field(default_factory=list)  # one dict per compiled graph: stage → code
+    across_step: list[str] = field(default_factory=list)  # communication the graphs leave across the step
+    reductions: list[str] = field(default_factory=list)  # how the graphs reduce gradients, where not plainly
 
     def bytes_per_rank(self) -> dict[str, int]:
         """Parameter and gradient bytes each rank holds (padding included)."""
@@ -55,6 +58,8 @@ class Explanation:
             f"collectives per step: forward all_gather x{len(self.buffers)}, backward reduce_scatter "
             f"x{sum(b.shard.requires_grad for b in self.buffers)} (plus backward all_gathers when resharding)"
         )
+        lines += [f"across the step: {line}" for line in dict.fromkeys(self.across_step)]
+        lines += list(dict.fromkeys(self.reductions))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -63,6 +68,27 @@ class Explanation:
             for stage, code in graphs.items():
                 parts.append(f"===== graph {i}: {stage} =====\n{code}")
         return "\n".join(parts)
+
+
+def _quantized_reduce_lines(options: Options, buffers: list[DBuffer]) -> list[str]:
+    """Per bucket of a graph compiled with ``quantized_reduce``: whether its reduce-scatter is quantized, or
+    why not ([Note: block-quantized gradient reduction])."""
+    q = options.quantized_reduce
+    if q is None:
+        return []
+    rounding = "stochastic rounding" if q.stochastic else "round to nearest"
+    lines = []
+    for b in buffers:
+        if not b.shard.requires_grad:
+            why = "not quantized: frozen, no gradient to reduce"
+        elif b.mesh.shard_size == 1:
+            why = "not quantized: sharded over one rank, no reduce-scatter"
+        else:
+            why = f"int8 codes + 1 float32 scale per {q.block} elements ({rounding}), one all_to_all"
+            if b.mesh.replicate_size > 1:
+                why += f"; the all-reduce over {b.mesh.replicate_size} replicas stays exact"
+        lines.append(f"gradient reduce-scatter of bucket {b.index}: {why}")
+    return lines
 
 
 def explain(model: nn.Module, print_output: bool = True) -> Explanation:
@@ -75,8 +101,10 @@ def explain(model: nn.Module, print_output: bool = True) -> Explanation:
             "backend='vescale') and run it once (or call fsdp_pass.fully_shard) first"
         )
     ids = {id(b) for b in buffers}
-    graphs = [r.graphs for r in records() if any(id(b) in ids for b in r.buffers)]
-    result = Explanation(sorted(buffers, key=lambda b: b.index), graphs)
+    mine = [r for r in records() if any(id(b) in ids for b in r.buffers)]
+    result = Explanation(sorted(buffers, key=lambda b: b.index), [r.graphs for r in mine],
+                         [line for r in mine for line in r.across_step],
+                         [line for r in mine for line in _quantized_reduce_lines(r.options, r.buffers)])
     if print_output:
         print(result)
     return result
