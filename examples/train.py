@@ -336,6 +336,9 @@ def parse_args(argv=None):
     s.add_argument("--bucket-size", type=int, default=None, help="most elements per communication bucket")
     s.add_argument("--fp8", action="store_true",
                    help="all-gather the block weights as FP8 codes + 128x128 tile scales (docs/fp8.md)")
+    s.add_argument("--quantized-reduce", choices=("nearest", "stochastic"), default=None,
+                   help="reduce-scatter gradients as int8 codes + one scale per 128 elements, rounding to nearest "
+                        "or stochastically (options['quantized_reduce'])")
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     o = p.add_argument_group("output")
@@ -449,6 +452,8 @@ def main(argv=None) -> dict:
         options["bucket_size"] = args.bucket_size
     if args.fp8:
         options["fp8_all_gather"] = True
+    if args.quantized_reduce:
+        options["quantized_reduce"] = {"bits": 8, "block": 128, "rounding": args.quantized_reduce}
     compiled = torch.compile(model, backend="vescale", options=options)
 
     mesh_text = "none (1 process)" if mesh is None else "x".join(map(str, mesh.shape)) + f" {mesh.mesh_dim_names}"

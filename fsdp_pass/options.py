@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["Fp8Options", "Options", "check_mp_dtype", "mp_policy_dtypes"]
+__all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_mp_dtype", "mp_policy_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,39 @@ class Fp8Options:
                 raise ValueError(f"{argument}['{key}'] must be fnmatch patterns (strings), got {given!r}")
             patterns[key] = given
         return cls(tile, patterns["include"], patterns["exclude"])
+
+
+class QuantizedReduce(NamedTuple):
+    """``options["quantized_reduce"]``, validated ([Note: block-quantized gradient reduction] in
+    buckets/quantized_reduce.py); a constant of the rewritten graph's ``gather_bucket`` calls."""
+
+    block: int = 128  # elements per quantization block (one float32 scale each), inside one rank's part
+    stochastic: bool = False  # stochastic rounding instead of round to nearest
+
+    @classmethod
+    def parse(cls, value: Any) -> "QuantizedReduce | None":
+        where = "options['quantized_reduce']"
+        if value is None or value is False:
+            return None
+        if isinstance(value, QuantizedReduce):
+            return value
+        if value is True:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} is {value!r}; use True or a dict with keys 'bits' (8), 'block' (elements per "
+                             f"scale, e.g. 128) and 'rounding' ('nearest' or 'stochastic')")
+        unknown = sorted(set(value) - {"bits", "block", "rounding"})
+        if unknown:
+            raise ValueError(f"unknown {where} key(s) {unknown}; use 'bits', 'block', 'rounding'")
+        if value.get("bits", 8) != 8:
+            raise ValueError(f"{where}['bits'] is {value['bits']!r}; only 8 (int8 codes) is implemented: use 8")
+        block = value.get("block", 128)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"{where}['block'] must be a positive number of elements per scale (e.g. 128), got {block!r}")
+        rounding = value.get("rounding", "nearest")
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"{where}['rounding'] is {rounding!r}; use 'nearest' or 'stochastic'")
+        return cls(block, rounding == "stochastic")
 
 
 def check_reshard_after_forward(value: Any, argument: str) -> None:
@@ -153,6 +186,11 @@ class Options:
             patterns on parameter names): gather the 2-D / stacked 3-D weights of repeated units as
             FP8 codes + one scale per tile (see [Note: FP8 all-gather] in buckets/gather.py and
             docs/fp8.md). Held as an :class:`Fp8Options` (None: off).
+        quantized_reduce: ``True`` or ``{"bits": 8, "block": 128, "rounding": "nearest"}``: every bucket's
+            gradient reduce-scatter moves int8 codes and one float32 scale per ``block`` elements (blocks
+            never cut by a rank boundary) instead of ``reduce_dtype`` values, as one all-to-all ([Note:
+            block-quantized gradient reduction] in buckets/quantized_reduce.py). Lossy: measured as error
+            and convergence in docs/benchmarks.md. Held as a :class:`QuantizedReduce` (None: off).
         gradient_divide_factor: divide the gradients summed over the data-parallel ranks by this
             (default: the data-parallel degree, a mean; 1.0: the sum), as
             :func:`fsdp_pass.set_gradient_divide_factor`.
@@ -178,11 +216,12 @@ class Options:
     max_inflight_bytes: int | None = None
     fp8_all_gather: "Fp8Options | None" = None
     gradient_divide_factor: float | None = None
+    quantized_reduce: QuantizedReduce | None = None
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "reshard_after_forward", "reshard_last_bucket",
               "overlap_last_reduce", "prefetch_next_step", "step_reduced_first", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
-              "gradient_divide_factor")
+              "gradient_divide_factor", "quantized_reduce")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -194,6 +233,7 @@ class Options:
             )
         options["param_dtype"], options["reduce_dtype"] = mp_policy_dtypes(options.pop("mp_policy", None))
         options["fp8_all_gather"] = Fp8Options.parse(options.get("fp8_all_gather"))
+        options["quantized_reduce"] = QuantizedReduce.parse(options.get("quantized_reduce"))
         made = cls(**options)
         if made.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")

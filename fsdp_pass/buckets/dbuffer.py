@@ -52,6 +52,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..placement import RaggedShard
+from ..options import QuantizedReduce
 from ..planner import Layout
 from ..tensor import flat_buffers, in_flight
 from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
@@ -373,15 +374,19 @@ class DBuffer:
         in_flight.settle_before_collective(self.shard.device)
         return gather_bucket(self.shard.detach(), **self.config(dtype or self.dtype, self.dtype)._asdict())
 
-    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp8: bool = False) -> GatherConfig:
+    def config(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp8: bool = False,
+               quantized_reduce: QuantizedReduce | None = None) -> GatherConfig:
         """The static arguments of :func:`gather_bucket` for this bucket (``fp8``: the compiled
-        gathers of an FP8 bucket, [Note: FP8 all-gather]; eager gathers stay exact)."""
+        gathers of an FP8 bucket, [Note: FP8 all-gather]; eager gathers stay exact;
+        ``quantized_reduce``: the compiled reduce-scatter, where there is one, [Note: block-quantized
+        gradient reduction])."""
         m = self.mesh
         shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
         return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group,
-                            self.grad_divisor, self.fp8_gather() if fp8 and self.fp8_tile else None)
+                            self.grad_divisor, self.fp8_gather() if fp8 and self.fp8_tile else None,
+                            quantized_reduce if m.shard_size > 1 and self.shard.requires_grad else None)
 
     def fp8_gather(self) -> Fp8Gather:
         """Every rank's pieces of this FP8 bucket ([Note: FP8 all-gather]): whole panels of ``fp8_tile`` rows."""

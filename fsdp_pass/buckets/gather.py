@@ -34,7 +34,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..options import QuantizedReduce
 from ..quant.fp8 import FP8, fp8_block_quantize
+from .quantized_reduce import quantized_reduce_scatter
 
 __all__ = ["Fp8Gather", "GatherConfig", "gather_bucket", "gather_input", "hand_over", "reduce_gradient",
            "unpack_gathered"]
@@ -130,13 +132,18 @@ class GatherConfig(NamedTuple):
     replicate_group: str | None  # their process group's name (None when replicate_world == 1)
     grad_divisor: float  # the reduced gradient is divided by this: the data-parallel degree, or the divide factor
     fp8: Fp8Gather | None = None  # gather as FP8 codes + scales ([Note: FP8 all-gather]); None: param_dtype
+    # reduce-scatter as int8 codes + block scales ([Note: block-quantized gradient reduction]); None: reduce_dtype
+    quantized_reduce: QuantizedReduce | None = None
 
 
 def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torch.dtype) -> torch.Tensor:
     """A bucket's whole gradient (m·S) → this rank's averaged gradient shard (S) in ``master_dtype``:
-    ReduceScatter over the shard dim, AllReduce over the HSDP replicate dim, / data-parallel degree."""
+    ReduceScatter over the shard dim (block-quantized with ``config.quantized_reduce``), AllReduce over the
+    HSDP replicate dim, / data-parallel degree."""
     g = grad.to(config.reduce_dtype)
-    if config.shard_world > 1:
+    if config.shard_world > 1 and config.quantized_reduce is not None:
+        g = quantized_reduce_scatter(g, config.shard_world, config.shard_group, config.quantized_reduce)
+    elif config.shard_world > 1:
         g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
                                                           config.shard_group))
     if config.replicate_world > 1:
@@ -235,6 +242,7 @@ def gather_bucket(
     replicate_group: str | None,
     grad_divisor: float,
     fp8: Fp8Gather | None = None,
+    quantized_reduce: QuantizedReduce | None = None,
     pending: torch.Tensor | None = None,
     gathered: int | None = None,
 ) -> torch.Tensor:
@@ -247,8 +255,10 @@ def gather_bucket(
     With ``gathered`` (a slot: the graph variant that takes the all-gather issued after the optimizer
     step, [Note: the next step's first gather starts at the optimizer step]) the forward gathers
     nothing and takes the buffer :func:`hand_over` left for that slot.
-    With ``fp8`` the forward moves FP8 codes and scales instead ([Note: FP8 all-gather]).
+    With ``fp8`` the forward moves FP8 codes and scales instead ([Note: FP8 all-gather]); with
+    ``quantized_reduce`` the backward's reduce-scatter moves int8 codes and block scales ([Note:
+    block-quantized gradient reduction]).
     """
     config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
-                          grad_divisor, fp8)
+                          grad_divisor, fp8, quantized_reduce)
     return _GatherBucket.apply(shard, pending, gathered, config)

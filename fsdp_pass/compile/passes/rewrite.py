@@ -32,6 +32,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig, gather_bucket
+from ...options import QuantizedReduce
 from .detect import ParamSite
 
 __all__ = ["Rewritten", "copy_dynamo_graph", "hand_out_gradients", "rewrite_parameters", "take_prefetched"]
@@ -75,8 +76,11 @@ def rewrite_parameters(
     buckets: Mapping[str, tuple[DBuffer, str]],
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    quantized_reduce: QuantizedReduce | None = None,
 ) -> Rewritten:
-    """Rewrite ``gm`` (a copy, see :func:`copy_dynamo_graph`) in place; ``buckets`` maps FQN → (DBuffer, name)."""
+    """Rewrite ``gm`` (a copy, see :func:`copy_dynamo_graph`) in place; ``buckets`` maps FQN → (DBuffer, name).
+    ``quantized_reduce``: the buckets' gradients reduce-scatter block-quantized ([Note: block-quantized
+    gradient reduction])."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -101,11 +105,13 @@ def rewrite_parameters(
         shard._dynamo_source = None
         shard.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
         new_inputs.append(buf)
-        config = buf.config(param_dtype or buf.param_dtype, reduce_dtype or buf.reduce_dtype, fp8=True)
+        config = buf.config(param_dtype or buf.param_dtype, reduce_dtype or buf.reduce_dtype, fp8=True,
+                            quantized_reduce=quantized_reduce)
         configs.append(config)
         kwargs = config._asdict()
-        if config.fp8 is None:  # only FP8 buckets name it ([Note: FP8 all-gather] in buckets/gather.py)
-            del kwargs["fp8"]
+        for optional in ("fp8", "quantized_reduce"):  # named only where used: plain graphs read as before
+            if kwargs[optional] is None:
+                del kwargs[optional]
         with graph.inserting_before(min(users, key=order.__getitem__)):
             full = graph.call_function(gather_bucket, (shard,), kwargs)
             pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))

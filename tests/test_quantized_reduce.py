@@ -1,0 +1,121 @@
+"""Block-quantized gradient reduction ([Note: block-quantized gradient reduction]): lossy by design, so it is
+checked against error bounds, not parity; its convergence and bytes are measured by
+benchmarks/quantized_reduce.py."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+import fsdp_pass
+from fsdp_pass.buckets.quantized_reduce import INT8_MAX, dequantize_and_sum, quantize_for_reduce, sent_bytes
+from fsdp_pass.compile.backend import records
+from fsdp_pass.options import Options, QuantizedReduce
+from fsdp_pass.tensor import in_flight
+from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.spawn import run_distributed
+
+
+def _exchange(grads: list[torch.Tensor], block: int, stochastic: bool = False) -> list[torch.Tensor]:
+    """What each rank gets from the all-to-all, done in one process: rank r sums row r of every rank's rows."""
+    world = len(grads)
+    rows = [quantize_for_reduce(g, world, block, stochastic) for g in grads]
+    shard = grads[0].numel() // world
+    return [dequantize_and_sum(torch.stack([r[dest] for r in rows]), shard, block) for dest in range(world)]
+
+
+def test_round_to_nearest_is_within_half_a_step_of_every_block():
+    torch.manual_seed(0)
+    world, shard, block = 4, 300, 64  # 300 is no multiple of 64: each rank's last block is padded
+    grads = [torch.randn(world * shard) * torch.logspace(-3, 2, world * shard) for _ in range(world)]
+    exact = torch.stack(grads).sum(0)
+    for dest, got in enumerate(_exchange(grads, block)):
+        # each source's error on an element is at most half its block's step, absmax / 127 / 2
+        bound = torch.zeros(shard)
+        for g in grads:
+            part = torch.nn.functional.pad(g[dest * shard:(dest + 1) * shard], (0, -shard % block))
+            step = part.view(-1, block).abs().amax(1, keepdim=True) / INT8_MAX
+            bound += (step / 2).expand(-1, block).reshape(-1)[:shard]
+        err = (got - exact[dest * shard:(dest + 1) * shard]).abs()
+        assert (err <= bound * (1 + 1e-5) + 1e-12).all(), f"rank {dest}: error above half a step"
+        assert err.max() > 0  # lossy: the test would notice an exact path
+
+
+def test_no_block_spans_a_rank_boundary():
+    """Rank 0's part is tiny, rank 1's huge: a block across the boundary would round rank 0's part to 0."""
+    world, shard = 2, 96  # blocks of 64: the boundary at 96 is inside the second block of a shared grid
+    g = torch.cat([torch.full((shard,), 1e-4), torch.full((shard,), 1e4)]) * torch.linspace(0.5, 1.0, world * shard)
+    zero = torch.zeros_like(g)
+    got = _exchange([g, zero], block=64)
+    assert torch.allclose(got[0], g[:shard], rtol=1e-2)
+    assert torch.allclose(got[1], g[shard:], rtol=1e-2)
+
+
+def test_stochastic_rounding_is_unbiased():
+    torch.manual_seed(0)
+    g = torch.rand(2 * 128) * 0.5 + torch.linspace(-1, 1, 2 * 128)
+    mean = torch.stack([_exchange([g, torch.zeros_like(g)], 128, stochastic=True)[0] for _ in range(2000)]).mean(0)
+    step = g[:128].abs().max() / INT8_MAX
+    assert (mean - g[:128]).abs().max() < 0.1 * step  # 2000 draws: the mean's std is ~0.011 step
+
+
+def test_bytes_are_a_quarter_of_fp32_plus_the_scales():
+    world, shard = 8, 128 * 1000
+    assert sent_bytes(world, shard, 128) / ((world - 1) * shard * 4) == pytest.approx(0.25 + 1 / 128)
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"bits": 4}, r"only 8 \(int8 codes\) is implemented"),
+    ({"block": 0}, r"\['block'\] must be a positive number"),
+    ({"rounding": "up"}, r"\['rounding'\] is 'up'; use 'nearest' or 'stochastic'"),
+    ({"tile": 8}, r"unknown options\['quantized_reduce'\] key\(s\) \['tile'\]"),
+    ("int8", r"use True or a dict"),
+])
+def test_bad_options_are_refused(value, match):
+    with pytest.raises(ValueError, match=match):
+        Options.from_dict({"quantized_reduce": value})
+    assert Options.from_dict({"quantized_reduce": True}).quantized_reduce == QuantizedReduce(128, False)
+
+
+def _reduced(rank: int, world: int, options: dict, micro: int) -> tuple[dict[str, torch.Tensor], str]:
+    """Whole gradients after one step (``micro`` micro-batches, the first ones under no_sync), and explain()'s plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = init_std(Llama(LlamaConfig()))
+    compiled = torch.compile(model, backend="vescale", options={
+        "mesh": init_device_mesh("cpu", (world,)), "compiler": "aot_eager", **options})
+    for step in range(2):  # step 0 shards; step 1 accumulates under no_sync
+        tokens = torch.randint(0, 61, (8, 8), generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
+        for i, part in enumerate(tokens.chunk(micro)):
+            sync = contextlib.nullcontext() if i == micro - 1 or step == 0 else fsdp_pass.no_sync(compiled)
+            with sync:
+                lm_loss(compiled(part), part).backward()
+        in_flight.settle_all()
+        if step == 0:
+            model.zero_grad(set_to_none=False)
+    plan = fsdp_pass.explain(compiled, print_output=False).plan_text()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, plan
+
+
+def _compiled_cases(rank: int, world: int) -> None:
+    q = {"quantized_reduce": {"block": 32}}
+    for micro in (1, 2):  # a plain step; two micro-batches, the first under no_sync
+        (exact, _), (quantized, plan) = _reduced(rank, world, {}, micro), _reduced(rank, world, q, micro)
+        for name, g in exact.items():
+            rel = ((quantized[name] - g).norm() / g.norm()).item()
+            # int8 with a scale per 32 elements: per element at most 1/254 of its block's absmax per rank
+            assert 0 < rel < 0.02, f"micro={micro}: {name}: relative error {rel:.4f}"
+        graphs = "\n".join(code for stage, code in records()[-1].graphs.items() if stage.startswith("backward"))
+        if micro == 1:
+            assert "all_to_all_single" in graphs and "reduce_scatter" not in graphs
+            assert re.search(r"gradient reduce-scatter of bucket \d+: int8 codes \+ 1 float32 scale per 32 elements", plan), plan
+
+
+@pytest.mark.slow
+def test_compiled_llama_reduces_within_the_error_bound_with_and_without_no_sync():
+    run_distributed(_compiled_cases, 2)
