@@ -83,6 +83,18 @@ def test_plan_what_if_reshard_after_forward_within_nodes(capsys):
         main(["plan", "--model", "llama3-8b", "--world-size", "16384", "--reshard-after-forward", "3"])
 
 
+def test_plan_what_if_quantized_reduce(capsys):
+    """int8 codes + a fp32 scale per 128 elements: 1/4 of the fp32 reduce-scatter bytes, plus the scales."""
+    runs = []
+    for flags in ([], ["--quantized-reduce", "int8"]):
+        assert main(["plan", "--model", "llama3-8b", "--world-size", "1024", "--reduce-dtype", "fp32", "--json",
+                     *flags]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["comm_bytes_per_rank"])
+    ratio = runs[1]["reduce_scatter"] / runs[0]["reduce_scatter"]
+    assert 0.25 < ratio <= 0.25 + 1 / 128 + 1e-3, ratio
+    assert runs[1]["all_gather_forward"] == runs[0]["all_gather_forward"]
+
+
 @pytest.mark.parametrize("model,flag", [("llama3-70b", "--tp"), ("gpt-oss-120b", "--ep")])
 def test_plan_composed_with_tensor_or_expert_parallelism_at_16384_ranks(model, flag):
     """TP/EP split a parameter first, FSDP shards what is left: every rank still holds 1/16384 (+ padding)."""

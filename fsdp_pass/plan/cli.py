@@ -100,7 +100,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = dict(bucket_size=args.bucket_size, block_rows=block_rows, param_dtype=param_dtype,
                    reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                    optimizer=args.optimizer, reshard_after_forward=_reshard_after_forward(args),
-                   node_size=args.node_size)
+                   node_size=args.node_size, quantized_reduce_block=128 if args.quantized_reduce == "int8" else None)
     parallel = dict(tp=args.tp, ep=args.ep, fp8=args.fp8)
     started = time.perf_counter()
     try:
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reshard-after-forward", type=int, metavar="K",
                       help="keep 1/K of each bucket after forward; backward gathers within groups of K ranks "
                            "(K divides the shard ranks; e.g. the ranks of a node)")
+    plan.add_argument("--quantized-reduce", choices=("int8",), default=None,
+                      help="reduce-scatter gradients as int8 codes + one fp32 scale per 128 elements "
+                           "(options['quantized_reduce'])")
     plan.add_argument("--node-size", type=int, default=8,
                       help="ranks per node, for the bytes received inside and across nodes (default 8)")
     plan.add_argument("--fp8", action="store_true",

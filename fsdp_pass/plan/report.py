@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from .parallel_rules import composed_mesh_and_parameters
 from ..buckets.dbuffer import DBuffer
 from ..buckets.mesh import check_reshard_group_size
+from ..buckets.quantized_reduce import sent_bytes
 from ..sharding.blocks import block_elements
 from ..options import Fp8Options
 from ..sharding.fp8_select import plan_fp8
@@ -103,6 +104,7 @@ class PlanSummary:
     ep: int = 1  # expert parallel ranks, part of the shard ranks
     fp8: bool = False  # --fp8: block weights all-gathered as FP8 codes + tile scales (docs/fp8.md)
     node_size: int = 8  # ranks per node: inside / across nodes in comm_bytes_by_link
+    quantized_reduce_block: int | None = None  # --quantized-reduce: int8 codes + a float32 scale per block
 
     @property
     def world_size(self) -> int:
@@ -183,7 +185,10 @@ class PlanSummary:
                 add(backward, b.world_size, piece)
             else:  # the bucket / k from each of the k - 1 others of the group (param_dtype: kept dequantized)
                 add(backward, k, b.copies * b.global_size * plain / k)
-            if b.trainable:
+            if b.trainable and self.quantized_reduce_block and b.world_size > 1:
+                # [Note: block-quantized gradient reduction]: one row of codes + scales to each other rank
+                add(scatter, b.world_size, b.copies * sent_bytes(2, b.shard_size, self.quantized_reduce_block))
+            elif b.trainable:
                 add(scatter, b.world_size, b.copies * b.shard_size * reduce)
                 grad_shards += b.copies * b.shard_size * reduce
         return {"all_gather_forward": tuple(forward), "all_gather_backward": tuple(backward),
@@ -204,6 +209,7 @@ class PlanSummary:
             "block_rows": self.block_rows,
             "bucket_size": self.bucket_size,
             "reshard_after_forward": self.reshard_after_forward,
+            "quantized_reduce_block": self.quantized_reduce_block,
             "params": self.params,
             "padding": {"elements": self.padding, "percent": 100 * self.padding / max(self.params, 1)},
             "buckets": {
@@ -266,7 +272,7 @@ class PlanSummary:
             f"  all_gather backward      {_size(comm['all_gather_backward'])}"
             f"   ({self._backward_gathers()})",
             f"  reduce_scatter           {_size(comm['reduce_scatter'])}   "
-            f"({_dtype_name(self.reduce_dtype)} gradients)",
+            f"({self._reduced_as()})",
         ]
         if r > 1:
             lines.append(f"  all_reduce (replicas)    {_size(comm['all_reduce_replicas'])}")
@@ -279,6 +285,11 @@ class PlanSummary:
                   f"planned in {self.seconds:.2f} s"]
         return "\n".join(lines)
 
+
+    def _reduced_as(self) -> str:
+        if self.quantized_reduce_block:
+            return f"int8 codes + 1 fp32 scale per {self.quantized_reduce_block} elements"
+        return f"{_dtype_name(self.reduce_dtype)} gradients"
 
     def _backward_gathers(self) -> str:
         k = self.reshard_after_forward
@@ -354,6 +365,7 @@ def plan_model(
     ep: int = 1,
     fp8: bool = False,
     node_size: int = 8,
+    quantized_reduce_block: int | None = None,
 ) -> PlanSummary:
     """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
@@ -367,6 +379,8 @@ def plan_model(
     ``options={"fp8_all_gather": True}`` selects get 128-row blocks and FP8 buckets (docs/fp8.md).
     ``reshard_after_forward``: True, False or a group size k (checked against the shard ranks);
     ``node_size``: ranks per node, for the communication inside and across nodes.
+    ``quantized_reduce_block``: gradients reduce-scatter as int8 codes + a scale per this many elements
+    (``options["quantized_reduce"]``).
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
@@ -404,7 +418,7 @@ def plan_model(
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
                        bucket_size, reshard_after_forward, tuple(stats), least_padding,
-                       time.perf_counter() - started, tp, ep, fp8, node_size)
+                       time.perf_counter() - started, tp, ep, fp8, node_size, quantized_reduce_block)
 
 
 def _fp8_bytes(buf: DBuffer) -> int:
