@@ -122,21 +122,22 @@ def in_step_peak_bytes(prof) -> int:
     if not records:
         return 0
     records.sort()
-    lo, hi = _scope_ns(prof)
+    lo, hi = scope_ns(prof)
     before = [total for t, _, total in records if t < lo]
     start = before[-1] if before else records[0][2] - records[0][1]
     inside = [total for t, _, total in records if lo <= t <= hi]
     return max(0, max(inside, default=start) - start)
 
 
-def _scope_ns(prof) -> tuple[int, int]:
+def scope_ns(prof, name: str = STEP_SCOPE) -> tuple[int, int]:
+    """(start, end) in ns of the record_function ``name`` in a finished profile."""
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
-        if e.name == STEP_SCOPE:
+        if e.name == name:
             return e.start_time_ns, e.end_time_ns
         stack.extend(e.children)
-    raise RuntimeError(f"no {STEP_SCOPE} event")
+    raise RuntimeError(f"no {name} event")
 
 
 # ----------------------------------------------------------------------------------------------------

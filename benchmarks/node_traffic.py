@@ -44,6 +44,7 @@ import fsdp_pass  # noqa: E402
 from fsdp_pass.buckets.dbuffer import buffers_of  # noqa: E402
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss  # noqa: E402
 from fsdp_pass.testing.spawn import run_distributed  # noqa: E402
+from _measure import scope_ns  # noqa: E402
 
 STEP, FORWARD, BACKWARD = "node_traffic::step", "node_traffic::forward", "node_traffic::backward"
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
@@ -68,16 +69,6 @@ def _allocation_levels(prof) -> list[tuple[int, int]]:
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
             levels.append((e.start_time_ns, e.extra_fields.total_allocated))
     return sorted(levels)
-
-
-def _scope_ns(prof, name: str) -> tuple[int, int]:
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.name == name:
-            return e.start_time_ns, e.end_time_ns
-        stack.extend(e.children)
-    raise LookupError(name)
 
 
 def _under(event, scope: str) -> bool:
@@ -128,7 +119,7 @@ def _measure(rank: int, world: int, cfg: dict) -> list[dict]:
         inside = {c: 0.0 for c in COLLECTIVES}
         across = {c: 0.0 for c in COLLECTIVES}
         backward_gather_across = 0.0
-        forward_end = _scope_ns(prof, FORWARD)[1]
+        forward_end = scope_ns(prof, FORWARD)[1]
         for e in prof.events():
             namespace, _, name = e.name.partition("::")
             if namespace != "_c10d_functional" or name not in COLLECTIVES:
@@ -146,7 +137,7 @@ def _measure(rank: int, world: int, cfg: dict) -> list[dict]:
             if name == "all_gather_into_tensor" and _under(e, BACKWARD):
                 backward_gather_across += a
         levels = _allocation_levels(prof)
-        step_start, step_end = _scope_ns(prof, STEP)
+        step_start, step_end = scope_ns(prof, STEP)
         start = _level_at(levels, step_start)
         peak = max([total for when, total in levels if step_start <= when <= step_end], default=start)
         buckets = buffers_of(model)

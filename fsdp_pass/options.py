@@ -11,6 +11,20 @@ import torch
 __all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_mp_dtype", "mp_policy_dtypes"]
 
 
+def _switch_or_mapping(value: Any, parsed: type, refusal: str) -> Any:
+    """An option that is off (None, False), on with defaults (True), already ``parsed``, or a dict of
+    settings: None, the parsed value, or the dict (``{}`` for True); anything else raises ``refusal``."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, parsed):
+        return value
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(refusal)
+    return value
+
+
 @dataclass(frozen=True)
 class Fp8Options:
     """``options["fp8_all_gather"]``, validated ([Note: FP8 all-gather] in buckets/gather.py).
@@ -29,16 +43,10 @@ class Fp8Options:
     @classmethod
     def parse(cls, value: Any, argument: str = "options['fp8_all_gather']") -> "Fp8Options | None":
         """``value`` checked; ``argument`` names it in messages (the backend option, or fully_shard's keyword)."""
-        if value is None or value is False:
-            return None
-        if isinstance(value, Fp8Options):
-            return value
-        if value is True:
-            value = {}
+        value = _switch_or_mapping(value, cls, f"{argument} is {value!r}; use True or a dict with keys 'tile', "
+                                              f"'include', 'exclude'")
         if not isinstance(value, Mapping):
-            raise ValueError(
-                f"{argument} is {value!r}; use True or a dict with keys 'tile', 'include', 'exclude'"
-            )
+            return value
         unknown = sorted(set(value) - {"tile", "include", "exclude"})
         if unknown:
             raise ValueError(f"unknown {argument} key(s) {unknown}; use 'tile', 'include', 'exclude'")
@@ -70,15 +78,11 @@ class QuantizedReduce(NamedTuple):
     @classmethod
     def parse(cls, value: Any) -> "QuantizedReduce | None":
         where = "options['quantized_reduce']"
-        if value is None or value is False:
-            return None
-        if isinstance(value, QuantizedReduce):
-            return value
-        if value is True:
-            value = {}
+        value = _switch_or_mapping(value, cls, f"{where} is {value!r}; use True or a dict with keys 'bits' (8), "
+                                              f"'block' (elements per scale, e.g. 128) and 'rounding' ('nearest' or "
+                                              f"'stochastic')")
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where} is {value!r}; use True or a dict with keys 'bits' (8), 'block' (elements per "
-                             f"scale, e.g. 128) and 'rounding' ('nearest' or 'stochastic')")
+            return value
         unknown = sorted(set(value) - {"bits", "block", "rounding"})
         if unknown:
             raise ValueError(f"unknown {where} key(s) {unknown}; use 'bits', 'block', 'rounding'")
