@@ -143,18 +143,32 @@ def _train(seed: int, quantized: bool, args, log_dir: Path) -> dict:
     return json.loads(log.read_text())
 
 
-def _plot(runs: dict, path: Path) -> None:
+def _plot(runs: dict, seeds: int, path: Path) -> None:
+    """Top: every run's loss curve. Bottom: per seed, int8 - exact, beside exact seed k - exact seed 0 (the
+    run-to-run spread the difference is to be compared with)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
     for (kind, seed), result in sorted(runs.items()):
-        ax.plot(range(1, len(result["losses"]) + 1), result["losses"], lw=0.8,
-                color="C0" if kind == "exact" else "C3", label=f"{kind}" if seed == 0 else None)
-    ax.set(xlabel="step", ylabel="training loss", title="exact fp32 vs int8-block gradient reduce-scatter, per seed")
-    ax.legend()
+        top.plot(range(1, len(result["losses"]) + 1), result["losses"], lw=0.8, ls="-" if kind == "exact" else ":",
+                 color="C0" if kind == "exact" else "C3", label=kind if seed == 0 else None)
+    top.set(ylabel="training loss", title="exact fp32 vs int8-block gradient reduce-scatter (2 ranks)")
+    top.legend()
+    base = runs["exact", 0]["losses"]
+    for seed in range(seeds):
+        exact, quantized = runs["exact", seed]["losses"], runs["int8", seed]["losses"]
+        steps = range(1, len(exact) + 1)
+        bottom.plot(steps, [b - a for a, b in zip(exact, quantized)], lw=0.8, color="C3",
+                    label="int8 - exact, same seed" if seed == 0 else None)
+        if seed:
+            bottom.plot(steps, [b - a for a, b in zip(base, exact)], lw=0.6, color="0.6",
+                        label="exact seed k - exact seed 0" if seed == 1 else None)
+    bottom.axhline(0, color="k", lw=0.5)
+    bottom.set(xlabel="step", ylabel="loss difference")
+    bottom.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -200,7 +214,7 @@ def main() -> None:
                  for kind in ("exact", "int8")}
         results["convergence"] = {"steps": args.steps, "seeds": args.seeds, "final_loss": final,
                                   "losses": {f"{k}_seed{s}": r["losses"] for (k, s), r in runs.items()}}
-        _plot(runs, args.plot)
+        _plot(runs, args.seeds, args.plot)
         spread = max(final["exact"]) - min(final["exact"])
         print(f"final train loss (mean of last 10 of {args.steps} steps), 2 ranks, seeds 0..{args.seeds - 1}")
         for kind, values in final.items():
