@@ -221,7 +221,7 @@ def run_system(key: str, args: dict, timeout_s: float) -> dict:
     t0 = time.time()
     try:
         results = run_distributed(_worker, world, key, args, timeout=timeout_s, pg_timeout=120,
-                                  backend="gloo" if system.distributed else None, pin_cores=True)
+                                  backend="gloo" if system.distributed else None, pin_cores=True, nice=args["nice"])
     except (RankFailed, TimeoutError) as error:
         msg = error.details if isinstance(error, RankFailed) else str(error)
         return {"key": key, "label": system.label, "error": msg.strip().splitlines()[-1] if msg else "failed",
@@ -536,7 +536,7 @@ def round_robin(keys: list[str], args: dict, cfg: LlamaConfig, twin: str | None,
     tags = keys + ([twin + RR.TWIN] if twin else [])
     world = args["world_size"]
     ranks = run_distributed(RR.worker, world, tags, {**args, "cfg": cfg}, timeout=timeout * len(tags),
-                            pg_timeout=120, backend="gloo", pin_cores=True)
+                            pg_timeout=120, backend="gloo", pin_cores=True, nice=args["nice"])
     return RR.summarize(ranks, tags, [*references, *([twin] if twin else [])])
 
 
@@ -662,6 +662,9 @@ def main(argv=None) -> int:
                          f"(default {OURS}; '' for none)")
     ap.add_argument("--against", default=f"fsdp2,fsdp2_compile,simplefsdp,single,{OURS}",
                     help="the systems every row's per-round ratios are taken to (comma-separated keys)")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="add this to the ranks' niceness; negative (e.g. -10, as root) puts them ahead of other "
+                         "work on shared cores")
     ap.add_argument("--sequential", action="store_true",
                     help="each system in fresh processes, one after another, with memory, copies and overlap per "
                          "system (the profiled step); step times are not comparable across systems under load")
@@ -691,7 +694,7 @@ def main(argv=None) -> int:
     steps = a.steps if a.steps is not None else ((3 if a.quick else 10) if sequential else (2 if a.quick else 3))
     batch_size = a.batch or (QUICK_BATCH if a.quick else PER_RANK_BATCH[a.model])
     args = {"model": a.model, "world_size": a.world_size, "steps": steps, "warmup": max(2, a.warmup),
-            "batch": batch_size, "quick": a.quick, "dump": a.dump_graphs}
+            "batch": batch_size, "quick": a.quick, "dump": a.dump_graphs, "nice": a.nice}
     keys = select(a.systems)
 
     cfg = (QUICK_CONFIGS if a.quick else CONFIGS)[a.model]

@@ -56,7 +56,7 @@ class RankFailed(AssertionError):
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, conn: Connection,
-            pg_timeout: float, backend: str | None, pin_cores: bool) -> None:
+            pg_timeout: float, backend: str | None, pin_cores: bool, nice: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     compile_each_graph_once()  # [Note: one Inductor compile per graph across ranks]
@@ -64,6 +64,8 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
         if pin_cores:
             cpus = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+        if nice:  # before the process group: gloo's threads inherit it
+            os.nice(nice)
         if backend is not None:
             dist.init_process_group(
                 backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -120,13 +122,16 @@ def _supervise(procs: list, conns: list[Connection], timeout: float) -> list[Any
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
-                    pg_timeout: float = 60, backend: str | None = "gloo", pin_cores: bool = False) -> list[Any]:
+                    pg_timeout: float = 60, backend: str | None = "gloo", pin_cores: bool = False,
+                    nice: int = 0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return each rank's result.
 
     ``fn`` must be a module-level function and its arguments and return value picklable (they cross
     process boundaries). Each rank joins a ``backend`` process group first (``None``: no group) whose
     collectives time out after ``pg_timeout`` seconds; ``pin_cores`` pins rank ``r`` to the ``r``-th
-    core this process may use (round robin). ``timeout`` bounds the whole run.
+    core this process may use (round robin); ``nice`` adds to each rank's scheduling niceness (negative:
+    ahead of other work on shared cores, for timing; needs the privilege to raise priority).
+    ``timeout`` bounds the whole run.
 
     Raises :class:`RankFailed` (an ``AssertionError``) with the rank's traceback as soon as one rank
     raises or exits with a non-zero code, and ``TimeoutError`` if ranks are still running at the
@@ -139,7 +144,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
         procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores))
+                        args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores, nice))
             for r in range(world_size)
         ]
         try:
