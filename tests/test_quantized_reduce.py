@@ -86,7 +86,7 @@ def _reduced(rank: int, world: int, options: dict, micro: int) -> tuple[dict[str
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = init_std(Llama(LlamaConfig()))
+    model = init_std(Llama(LlamaConfig(layers=1)))
     compiled = torch.compile(model, backend="vescale", options={
         "mesh": init_device_mesh("cpu", (world,)), "compiler": "aot_eager", **options})
     for step in range(2):  # step 0 shards; step 1 accumulates under no_sync
