@@ -105,7 +105,7 @@ def _cases(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_reshard_within_groups_matches_one_process_and_reshard_true(tmp_path):
+def test_reshard_within_groups_is_bitwise_reshard_true(tmp_path):
     run_distributed(_cases, WORLD, str(tmp_path))
 
 
