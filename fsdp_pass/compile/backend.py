@@ -46,6 +46,7 @@ from torch._dynamo import register_backend
 
 from .. import log
 from ..options import Options
+from .passes.outline import Outlined
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.rewrite import Rewritten, copy_dynamo_graph, hand_out_gradients, take_prefetched
 from ..step import deferred_reduce, prefetch as step_prefetch, reduced_first
@@ -70,6 +71,8 @@ class CompiledGraph:
     graphs: dict[str, str] = field(default_factory=dict)  # stage name → readable graph
     across_step: list[str] = field(default_factory=list)  # what of its communication crosses the step boundary
     modules: dict[str, fx.GraphModule] = field(default_factory=dict)  # stage name → graph, for tests and tools
+    outlined: Outlined = field(default_factory=Outlined)  # blocks compiled once, and blocks left flat with why
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each pass before aot_autograd
 
     @property
     def buffers(self) -> list[DBuffer]:
@@ -144,6 +147,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     for buf, config in zip(rewritten.buffers, rewritten.configs):
         buf.apply_settings(compute_dtype=config.param_dtype)  # eager calls compute as the compiled graph does
     record.buffers = rewritten.buffers
+    record.outlined, record.seconds = result.outlined, result.seconds
     record.graph("rewritten", rewritten.gm)
 
     dropped = set(rewritten.dropped)

@@ -21,6 +21,7 @@ class Explanation:
     graphs: list[dict[str, str]] = field(default_factory=list)  # one dict per compiled graph: stage → code
     across_step: list[str] = field(default_factory=list)  # communication the graphs leave across the step
     reductions: list[str] = field(default_factory=list)  # how the graphs reduce gradients, where not plainly
+    outlined: list[str] = field(default_factory=list)  # blocks compiled once, and blocks left flat with why
 
     def bytes_per_rank(self) -> dict[str, int]:
         """Parameter and gradient bytes each rank holds (padding included)."""
@@ -60,6 +61,7 @@ class Explanation:
         )
         lines += [f"across the step: {line}" for line in dict.fromkeys(self.across_step)]
         lines += list(dict.fromkeys(self.reductions))
+        lines += self.outlined  # [Note: repeated blocks compiled once]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -104,7 +106,8 @@ def explain(model: nn.Module, print_output: bool = True) -> Explanation:
     mine = [r for r in records() if any(id(b) in ids for b in r.buffers)]
     result = Explanation(sorted(buffers, key=lambda b: b.index), [r.graphs for r in mine],
                          [line for r in mine for line in r.across_step],
-                         [line for r in mine for line in _quantized_reduce_lines(r.options, r.buffers)])
+                         [line for r in mine for line in _quantized_reduce_lines(r.options, r.buffers)],
+                         [f"graph {i}: {line}" for i, r in enumerate(mine) for line in r.outlined.lines()])
     if print_output:
         print(result)
     return result

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views"]
+__all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views", "shared_backward_subgraphs"]
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 _INDEXED = re.compile(r"^(.*)(\.(\d+)|\[['\"]?(\d+)['\"]?\])$")  # "L['self'].layers.3", "...layers['3']"
@@ -51,11 +51,10 @@ class Outlined:
     shared: dict[str, list[str]] = field(default_factory=dict)  # subgraph identifier → the blocks calling it
     left_flat: dict[str, str] = field(default_factory=dict)  # block → why it stays in the outer graph
 
-    def text(self) -> str:
-        lines = [f"repeated blocks compiled once: {ident} ← {_span(blocks)} ({len(blocks)} calls)"
+    def lines(self) -> list[str]:
+        lines = [f"repeated blocks compiled once: {_span(blocks)} call one subgraph ({ident}, {len(blocks)} calls)"
                  for ident, blocks in self.shared.items()]
-        lines += [f"block left flat: {block} ({why})" for block, why in self.left_flat.items()]
-        return "\n".join(lines)
+        return lines + [f"block left flat: {block} ({why})" for block, why in self.left_flat.items()]
 
 
 def _span(blocks: list[str]) -> str:
@@ -90,8 +89,38 @@ def _regions(graph: fx.Graph) -> list[_Region]:
     return list(regions.values())
 
 
+def _bucket_views(view: fx.Node) -> list[fx.Node] | None:
+    """If ``view`` is a parameter view of a gathered bucket (``view(getitem(split_with_sizes(gathered)))``,
+    the rewrite's chain): the bucket's split, its getitems and their views; else None."""
+    piece = view.args[0] if view.target is torch.ops.aten.view.default and view.args else None
+    split = piece.args[0] if isinstance(piece, fx.Node) and piece.target is operator.getitem else None
+    if not (isinstance(split, fx.Node) and split.target is torch.ops.aten.split_with_sizes.default):
+        return None
+    pieces = list(split.users)
+    views = [v for p in pieces for v in p.users]
+    if not all(p.target is operator.getitem for p in pieces) or \
+            not all(v.target is torch.ops.aten.view.default for v in views):
+        return None
+    return [split, *pieces, *views]
+
+
+def _take_whole_buckets(region: _Region, order: dict[fx.Node, int]) -> None:
+    """Move into ``region`` the split and views of every bucket only it reads, so the subgraph takes the
+    gathered bucket itself and returns its whole gradient (which pass 5 then builds in place,
+    [Note: gradients written into the bucket])."""
+    members = set(region.nodes)
+    for node in region.nodes:
+        for arg in node.all_input_nodes:
+            chain = None if arg in members else _bucket_views(arg)
+            if chain and all(u in members for v in chain if v.target is torch.ops.aten.view.default
+                             for u in v.users):
+                members.update(chain)
+    region.nodes = sorted(members, key=order.__getitem__)
+
+
 def _why_not(region: _Region, order: dict[fx.Node, int]) -> str | None:
     """Why ``region`` cannot become one subgraph call (None: it can); fills its inputs and outputs."""
+    _take_whole_buckets(region, order)
     members = set(region.nodes)
     last = order[region.nodes[-1]]
     for node in region.nodes:
@@ -162,6 +191,7 @@ def outline_repeated_blocks(gm: fx.GraphModule) -> Outlined:
             outlined.left_flat[regions[0].block] = "matches no other block"
             continue
         ident = f"fsdp_block_{len(outlined.shared)}"
+        regions[0].inputs = [replaced.get(n, n) for n in regions[0].inputs]
         gm.register_module(ident, _subgraph(regions[0]))
         outlined.shared[ident] = [r.block for r in regions]
         for region in regions:
@@ -174,12 +204,12 @@ def outline_repeated_blocks(gm: fx.GraphModule) -> Outlined:
 
 def _call(graph: fx.Graph, region: _Region, ident: str, replaced: dict[fx.Node, fx.Node]) -> None:
     """Replace ``region``'s nodes by one ``invoke_subgraph`` call of the module ``ident``; ``replaced``
-    maps outputs of blocks outlined before to what now stands for them, and gets this one's."""
+    (an outlined block's output → the getitem that now stands for it) gets this one's outputs."""
+    region.inputs = [replaced.get(n, n) for n in region.inputs]  # outputs of blocks outlined before
     with graph.inserting_after(region.nodes[-1]):
         module = graph.get_attr(ident)
-    operands = [replaced.get(n, n) for n in region.inputs]
     with graph.inserting_after(module):
-        call = graph.call_function(_INVOKE_SUBGRAPH, (module, ident, *operands))
+        call = graph.call_function(_INVOKE_SUBGRAPH, (module, ident, *region.inputs))
     call.meta["example_value"] = tuple(n.meta["example_value"] for n in region.outputs)
     anchor = call
     for i, node in enumerate(region.outputs):
@@ -192,9 +222,10 @@ def _call(graph: fx.Graph, region: _Region, ident: str, replaced: dict[fx.Node, 
         graph.erase_node(node)
 
 
-# Views that a subgraph's partition may save of a parameter operand (a transposed weight): replaying
-# them outside the subgraph is free.
+# Views that a subgraph's partition may save of a parameter operand (a transposed weight, or a
+# parameter of a bucket the subgraph takes whole): replaying them outside the subgraph is free.
 _VIEWS = {
+    torch.ops.aten.split_with_sizes.default, operator.getitem,
     torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
     torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default,
@@ -244,3 +275,10 @@ def rematerialize_parameter_views(gm: fx.GraphModule, is_parameter_view) -> fx.G
     graph.lint()
     gm.recompile()
     return gm
+
+
+def shared_backward_subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The backward subgraphs a (partitioned) backward graph calls, each once."""
+    modules = {call.args[0].target for call in gm.graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH)
+               if isinstance(call.args[1], str) and call.args[1].startswith("partitioned_bw")}
+    return [getattr(gm, name) for name in sorted(modules)]

@@ -29,7 +29,7 @@ from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
-from .outline import Outlined, outline_repeated_blocks, rematerialize_parameter_views
+from .outline import Outlined, outline_repeated_blocks, rematerialize_parameter_views, shared_backward_subgraphs
 from .reshard_within_groups import node_groups, reshard_setting, reshard_within_groups
 from .rewrite import Rewritten, copy_dynamo_graph, rewrite_parameters
 from .schedule import gather_chains, gather_taken_again, schedule_overlap, tag_reshard_after_forward
@@ -133,7 +133,8 @@ def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken
             gather_taken_again(gm, dict(taken))
         schedule_overlap(gm, opts.prefetch, opts.max_inflight_bytes)
         if name == "backward" and buffers:  # after the schedule, which reads data edges only
-            write_gradients_into_buckets(gm, buffers, inductor=compiler is not None)
+            for graph in [gm, *shared_backward_subgraphs(gm)]:  # [Note: repeated blocks compiled once]
+                write_gradients_into_buckets(graph, buffers, inductor=compiler is not None)
         sink.graph(name, gm)
         if compiler is None:
             return make_boxed_func(gm.forward)

@@ -114,6 +114,8 @@ def rewrite_parameters(
                 del kwargs[optional]
         with graph.inserting_before(min(users, key=order.__getitem__)):
             full = graph.call_function(gather_bucket, (shard,), kwargs)
+            full.meta["example_value"] = _gathered_example(placeholders[members[0].index], config.param_dtype,
+                                                           [sum(buf.segment_sizes())])
             pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (full, buf.segment_sizes()))
             for site in members:
                 _, name = buckets[site.name]
@@ -131,13 +133,16 @@ def rewrite_parameters(
     return Rewritten(gm, new_inputs, configs, [s.index for s in sites])
 
 
-def _gathered_example(param: fx.Node, dtype: torch.dtype):
-    """The (fake) value of a parameter's gathered view: Dynamo's example of the parameter, in ``dtype``
-    (the outline pass compares blocks by their operands' examples)."""
+def _gathered_example(param: fx.Node, dtype: torch.dtype, size: list[int] | None = None):
+    """The (fake) value of a parameter's gathered view: Dynamo's example of the parameter in ``dtype``;
+    with ``size``, of its gathered bucket, made like it (the outline pass compares blocks by their
+    operands' examples)."""
     example = param.meta.get("example_value")
-    if isinstance(example, torch.Tensor) and not isinstance(example, DTensor) and example.dtype != dtype:
-        example = example.to(dtype)
-    return example
+    if not isinstance(example, torch.Tensor) or isinstance(example, DTensor):
+        return None if size is not None else example
+    if size is not None:
+        return example.new_empty(size, dtype=dtype)
+    return example.to(dtype) if example.dtype != dtype else example
 
 
 def hand_out_gradients(rewritten: Rewritten, buckets: Collection[int]) -> Rewritten:
