@@ -10,23 +10,30 @@ One invocation runs, on the same model, data and per-rank batch, every system in
 * ``simplefsdp``   torchtitan's SimpleFSDP ``data_parallel(mode="fully_shard")``, compiled fullgraph with
                    inductor and torchtitan's JIT ``transformer_block_bucketing`` pass, reshard after forward
                    (skipped, with the reason printed, when torchtitan does not import);
-* ``fsdp_pass_*``  ``torch.compile(model, backend="vescale")`` with ``compiler`` aot_eager / inductor and
-                   overlap on (``prefetch=1``) / off (``prefetch=0``).
+* ``fsdp_pass_*``  ``torch.compile(model, backend="vescale")`` with ``compiler`` aot_eager / inductor,
+                   overlap on (``prefetch=1``) / off (``prefetch=0``), and the step-boundary settings.
 
-Each system runs in fresh processes (``fsdp_pass.testing.spawn``: spawn, gloo, ``file://`` init, 120 s
-process-group timeout), each rank pinned to its own core (round robin) with one thread. Per system:
-warm-up steps (the first compiles; compile time is reported, not counted), then measured steps
-(forward + backward + AdamW step + zero_grad), then one profiled step (memory, copies, overlap).
+By default every system runs round robin in the same two rank processes: all built and warmed up
+(compile time is reported, not counted), then ``--rounds`` rounds in which each system runs one untimed
+and ``--steps`` timed steps in turn; systems are compared by the ratio of their times within each round
+([Note: round robin in the same processes] in ``_round_robin.py``). Ranks are pinned to their own cores
+(round robin) with one thread; ``--nice -10`` (as root) puts them ahead of other work.
 
-    python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--steps 10] [--warmup 3]
-                                   [--systems single,fsdp2,fsdp_pass_inductor] [--quick]
+With ``--sequential`` each system runs in fresh processes (``fsdp_pass.testing.spawn``: spawn, gloo,
+``file://`` init, 120 s process-group timeout): warm-up steps, then measured steps (forward + backward
++ AdamW step + zero_grad), then one profiled step (memory, copies, overlap).
+
+    python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--rounds 5] [--steps 3] [--warmup 3]
+                                   [--systems single,fsdp2,fsdp_pass_inductor] [--twin KEY] [--nice -10] [--quick]
+    python benchmarks/step_time.py --sequential [--repeat 2] [--steps 10]
     python benchmarks/step_time.py --bucket-sweep [--model llama]
 
-Writes ``benchmarks/results/step_time[_<model>].json`` and ``.png`` (matplotlib, the ``bench`` extra).
-For fsdp_pass it also prints every collective of the profiled step: transfer, hidden and exposed time,
-wait. ``--bucket-sweep`` runs only fsdp_pass (Inductor, overlap on) at bucket granularities from the
-whole model to quarter units and reports exposed communication per setting
-(``benchmarks/results/bucket_sweep[_<model>].json``). How each number is measured: ``docs/benchmarks.md``.
+Writes ``benchmarks/results/step_time[_<model>].json`` and ``.md`` (and, with ``--sequential``, a ``.png``
+chart: matplotlib, the ``bench`` extra). With ``--sequential`` it also prints every collective of the
+profiled fsdp_pass step: transfer, hidden and exposed time, wait. ``--bucket-sweep`` runs only fsdp_pass
+(Inductor, overlap on) at bucket granularities from the whole model to quarter units and reports exposed
+communication per setting (``benchmarks/results/bucket_sweep[_<model>].json``). How each number is
+measured: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
