@@ -97,13 +97,13 @@ def _reduced(rank: int, world: int, options: dict, micro: int) -> tuple[dict[str
                 (lm_loss(compiled(part), part) / micro).backward()
         in_flight.settle_all()
         if step == 0:
-            model.zero_grad(set_to_none=False)
+            model.zero_grad()  # None: the deferred reduce may leave the next one in flight
     plan = fsdp_pass.explain(compiled, print_output=False).plan_text()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, plan
 
 
 def _compiled_cases(rank: int, world: int) -> None:
-    q = {"quantized_reduce": {"block": 32}}
+    q = {"quantized_reduce": {"block": 32}, "min_bucket_bytes": 0}  # a bucket per unit: several buckets
     exact, _ = _reduced(rank, world, {}, micro=1)
     for micro in (1, 2):  # a plain step; two micro-batches, the first under no_sync (the exact sum differs
         quantized, plan = _reduced(rank, world, q, micro)  # from micro=1 by rounding only, ~1e-7)
@@ -115,6 +115,9 @@ def _compiled_cases(rank: int, world: int) -> None:
         if micro == 1:
             assert "all_to_all_single" in graphs and "reduce_scatter" not in graphs
             assert re.search(r"gradient reduce-scatter of bucket \d+: int8 codes \+ 1 float32 scale per 32 elements", plan), plan
+            # the last reduce left to the optimizer step is quantized too (it reduces at once, not in flight)
+            deferred, _ = _reduced(rank, world, {**q, "overlap_last_reduce": True}, micro=1)
+            assert all(torch.equal(deferred[name], g) for name, g in quantized.items())
 
 
 @pytest.mark.slow

@@ -74,8 +74,10 @@ def reduce_deferred(buf: DBuffer) -> None:
         return
     grad = leaf.grad
     leaf.grad = None
+    # a block-quantized reduction ([Note: block-quantized gradient reduction]) runs at once: its all-to-all
+    # and dequantize-and-sum are not what in_flight.track settles
     if (buf.gradient_buffer() is None and config.shard_world > 1 and config.replicate_world == 1
-            and config.reduce_dtype == buf.dtype):
+            and config.reduce_dtype == buf.dtype and config.quantized_reduce is None):
         buf.attach_grads(start(grad, config))
     else:
         buf.add_reduced(reduce_gradient(grad, config, buf.dtype))
