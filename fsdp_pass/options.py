@@ -150,6 +150,10 @@ class Options:
             ``layers.n-1``) become calls of one subgraph that AOTAutograd and Inductor compile once, so
             compile time does not grow with depth (default True; False compiles the graph flat; see
             [Note: repeated blocks compiled once] in compile/passes/outline.py).
+        shared_compile_cache: the ranks share one compile cache folder (``TORCHINDUCTOR_CACHE_DIR``,
+            node-local or on a shared file system): rank 0 compiles each graph first, the others then
+            load Inductor's output from the cache (default False; see [Note: ranks compile a graph once
+            between them] in compile/shared_cache.py).
         reshard_after_forward: free gathered parameters after forward and gather again in backward
             (default True, ZeRO-3 memory; or what ``fully_shard`` set); False keeps them (less
             communication, more memory); an int k (FSDP2's meaning: the ranks of a node) keeps 1/k of
@@ -205,6 +209,7 @@ class Options:
     replicate_dim: int | str | None = None
     compiler: str = "inductor"
     compile_blocks_once: bool = True
+    shared_compile_cache: bool = False
     reshard_after_forward: bool | int = True
     reshard_last_bucket: bool = False
     overlap_last_reduce: bool = False
@@ -222,7 +227,7 @@ class Options:
     gradient_divide_factor: float | None = None
     quantized_reduce: QuantizedReduce | None = None
 
-    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "reshard_after_forward", "reshard_last_bucket",
+    _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "shared_compile_cache", "reshard_after_forward", "reshard_last_bucket",
               "overlap_last_reduce", "prefetch_next_step", "step_reduced_first", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
               "gradient_divide_factor", "quantized_reduce")

@@ -58,7 +58,7 @@ class Outlined:
 
 
 def _span(blocks: list[str]) -> str:
-    return blocks[0] if len(blocks) == 1 else f"{blocks[0]} … {blocks[-1]}"
+    return ", ".join(blocks) if len(blocks) <= 4 else f"{blocks[0]}, {blocks[1]}, … {blocks[-1]}"
 
 
 def _block_of(node: fx.Node) -> str | None:

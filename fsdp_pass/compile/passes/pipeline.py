@@ -27,6 +27,7 @@ from ...options import Options
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
+from ..shared_cache import compile_in_turn
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
 from .outline import Outlined, outline_repeated_blocks, rematerialize_parameter_views, shared_backward_subgraphs
@@ -93,7 +94,7 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of) \
         if reshard else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
-    with patch:
+    with patch, compile_in_turn(opts.shared_compile_cache and opts.compiler == "inductor"):
         if opts.compiler == "aot_eager":
             backend = aot_autograd(
                 fw_compiler=_scheduled(opts, sink, buffers, taken, "forward"),

@@ -1,0 +1,121 @@
+"""Compile time: repeated blocks compiled once ([Note: repeated blocks compiled once]) train like the
+flat graph, with the same collectives and gathers recomputed in backward, and blocks that differ stay
+flat; ranks on a shared cache compile in turn ([Note: ranks compile a graph once between them])."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+import fsdp_pass
+from fsdp_pass.compile.backend import records
+from fsdp_pass.compile.shared_cache import compile_in_turn
+from fsdp_pass.testing.models import Block, Llama, LlamaConfig, lm_loss, random_tokens
+from fsdp_pass.testing.spawn import run_distributed
+
+_c10d = torch.ops._c10d_functional
+_INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def _count(gm: fx.GraphModule, op) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def _train(model: nn.Module, options: dict, rank: int, world: int, steps: int = 3) -> tuple[list, list, dict]:
+    """Losses, final parameters and the first new compile record of ``steps`` steps of ``model``."""
+    torch._dynamo.reset()
+    before = set(map(id, records()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="vescale", options=options)
+    losses = []
+    for step in range(steps):
+        tokens = random_tokens(model.cfg, 2 * world, step)[2 * rank:2 * rank + 2]
+        loss = lm_loss(compiled(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+    record = next(r for r in records() if id(r) not in before)
+    text = fsdp_pass.explain(model, print_output=False).plan_text()
+    return losses, params, {"record": record, "explain": text}
+
+
+def _same_as_flat_worker(rank: int, world: int) -> None:
+    cfg = LlamaConfig(layers=3)
+    # min_bucket_bytes=0: a bucket per layer, which its block takes whole; the default: one bucket, views.
+    for extra in ({"min_bucket_bytes": 0}, {}):
+        runs = {}
+        for once in (True, False):
+            torch.manual_seed(0)
+            runs[once] = _train(Llama(cfg), {"compiler": "aot_eager", "compile_blocks_once": once, **extra}, rank, world)
+        (l1, p1, o), (l0, p0, f) = runs[True], runs[False]
+        assert all(torch.equal(a, b) for a, b in zip(l1, l0)), (extra, l1, l0)
+        assert all(torch.equal(a, b) for a, b in zip(p1, p0)), extra
+        assert "layers.0, layers.1, layers.2 call one subgraph (fsdp_block_0, 3 calls)" in o["explain"], o["explain"]
+        assert "compiled once" not in f["explain"]
+        outlined, flat = o["record"].modules, f["record"].modules
+        assert _count(outlined["forward"], _INVOKE) == 3 and _count(outlined["backward"], _INVOKE) == 3
+        for stage in ("forward", "backward"):  # the same collectives: backward still gathers again
+            for op in (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default):
+                assert _count(outlined[stage], op) == _count(flat[stage], op), (extra, stage, op)
+        assert _count(outlined["backward"], _c10d.all_gather_into_tensor.default) >= 1
+        if extra:  # whole buckets: no per-layer cat feeds a reduce-scatter, the matmuls write into the bucket
+            cats = [n for n in outlined["backward"].graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
+                    if any(u.target is _c10d.reduce_scatter_tensor.default for u in n.users)]
+            assert not cats
+
+
+def test_blocks_compiled_once_train_bitwise_as_the_flat_graph():
+    run_distributed(_same_as_flat_worker, 2)
+
+
+class _Odd(Block):
+    """A block with one more op than its neighbours."""
+
+    def forward(self, x, freqs):
+        return super().forward(x, freqs) * 0.5
+
+
+def _differing_worker(rank: int, world: int) -> None:
+    cfg = LlamaConfig(layers=4)
+    runs = {}
+    for once in (True, False):
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        odd = _Odd(cfg)
+        odd.load_state_dict(model.layers[2].state_dict())
+        model.layers[2] = odd
+        runs[once] = _train(model, {"compiler": "aot_eager", "compile_blocks_once": once, "min_bucket_bytes": 0},
+                            rank, world)
+    (l1, p1, o), (l0, p0, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(l1, l0)) and all(torch.equal(a, b) for a, b in zip(p1, p0))
+    assert "layers.0, layers.1, layers.3 call one subgraph (fsdp_block_0, 3 calls)" in o["explain"], o["explain"]
+    assert "block left flat: layers.2 (matches no other block)" in o["explain"], o["explain"]
+
+
+def test_a_block_that_differs_stays_flat_and_says_why():
+    run_distributed(_differing_worker, 1)
+
+
+def _in_turn_worker(rank: int, world: int) -> None:
+    with compile_in_turn(True):
+        start = time.monotonic()
+        assert torch._functorch.config.force_non_lazy_backward_lowering  # backward compiled in the turn too
+        if rank == 0:
+            time.sleep(1.0)
+        end = time.monotonic()
+    spans = [None] * world
+    dist.all_gather_object(spans, (start, end))
+    assert all(spans[r][0] >= spans[0][1] for r in range(1, world)), spans  # the others start once rank 0 is done
+    assert not torch._functorch.config.force_non_lazy_backward_lowering
+    with compile_in_turn(False):
+        assert not torch._functorch.config.force_non_lazy_backward_lowering
+
+
+def test_ranks_on_a_shared_cache_compile_after_rank_0():
+    run_distributed(_in_turn_worker, 3)
