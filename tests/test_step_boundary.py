@@ -141,7 +141,7 @@ def _reduced_first(first, passes: list) -> Callable:
             if model is first:
                 groups = [[id(p) for p in g["params"]] for g in o.param_groups]
                 handle = o.register_step_post_hook(record)
-                o.step()
+                o.step(None)  # as accelerate calls it: a closure of None is no closure
                 handle.remove()
                 assert [[id(p) for p in g["params"]] for g in o.param_groups] == groups, "a split step left its groups narrowed"
             else:

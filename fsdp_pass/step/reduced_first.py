@@ -69,8 +69,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     if optimizer in _split:  # the last split step raised before its post-hook ran
         _restore(optimizer)
-    if not any_in_flight() or args[1:] or kwargs:  # nothing to order, or a closure
-        return
+    if not any_in_flight() or any(a is not None for a in (*args[1:], *kwargs.values())):
+        return  # nothing to order, or a closure (accelerate passes closure=None: no closure)
     groups = optimizer.param_groups
     whole = [group["params"] for group in groups]
     waiting = {id(p) for params in whole for p in params if _reducing(p)}
