@@ -25,7 +25,7 @@ def _count(gm: fx.GraphModule, op) -> int:
     return len(gm.graph.find_nodes(op="call_function", target=op))
 
 
-def _train(model: nn.Module, options: dict, rank: int, world: int, steps: int = 3) -> tuple[list, list, dict]:
+def _train(model: nn.Module, options: dict, rank: int, world: int, steps: int = 2) -> tuple[list, list, dict]:
     """Losses, final parameters and the first new compile record of ``steps`` steps of ``model``."""
     torch._dynamo.reset()
     before = set(map(id, records()))
@@ -46,9 +46,10 @@ def _train(model: nn.Module, options: dict, rank: int, world: int, steps: int = 
 
 
 def _same_as_flat_worker(rank: int, world: int) -> None:
+    _compile_in_turn(rank, world)
     cfg = LlamaConfig(layers=3)
-    # min_bucket_bytes=0: a bucket per layer, which its block takes whole; the default: one bucket, views.
-    for extra in ({"min_bucket_bytes": 0}, {}):
+    # min_bucket_bytes=0: a bucket per layer, which its block takes whole (_differing_worker: one bucket, views).
+    for extra in ({"min_bucket_bytes": 0},):
         runs = {}
         for once in (True, False):
             torch.manual_seed(0)
@@ -70,7 +71,7 @@ def _same_as_flat_worker(rank: int, world: int) -> None:
             assert not cats
 
 
-def test_blocks_compiled_once_train_bitwise_as_the_flat_graph():
+def test_blocks_compiled_once_train_bitwise_as_the_flat_graph_and_ranks_compile_in_turn():
     run_distributed(_same_as_flat_worker, 2)
 
 
@@ -90,8 +91,7 @@ def _differing_worker(rank: int, world: int) -> None:
         odd = _Odd(cfg)
         odd.load_state_dict(model.layers[2].state_dict())
         model.layers[2] = odd
-        runs[once] = _train(model, {"compiler": "aot_eager", "compile_blocks_once": once, "min_bucket_bytes": 0},
-                            rank, world)
+        runs[once] = _train(model, {"compiler": "aot_eager", "compile_blocks_once": once}, rank, world)
     (l1, p1, o), (l0, p0, _) = runs[True], runs[False]
     assert all(torch.equal(a, b) for a, b in zip(l1, l0)) and all(torch.equal(a, b) for a, b in zip(p1, p0))
     assert "layers.0, layers.1, layers.3 call one subgraph (fsdp_block_0, 3 calls)" in o["explain"], o["explain"]
@@ -102,7 +102,8 @@ def test_a_block_that_differs_stays_flat_and_says_why():
     run_distributed(_differing_worker, 1)
 
 
-def _in_turn_worker(rank: int, world: int) -> None:
+def _compile_in_turn(rank: int, world: int) -> None:
+    """[Note: ranks compile a graph once between them]: the others start once rank 0 is done."""
     with compile_in_turn(True):
         start = time.monotonic()
         assert torch._functorch.config.force_non_lazy_backward_lowering  # backward compiled in the turn too
@@ -111,11 +112,7 @@ def _in_turn_worker(rank: int, world: int) -> None:
         end = time.monotonic()
     spans = [None] * world
     dist.all_gather_object(spans, (start, end))
-    assert all(spans[r][0] >= spans[0][1] for r in range(1, world)), spans  # the others start once rank 0 is done
+    assert all(spans[r][0] >= spans[0][1] for r in range(1, world)), spans
     assert not torch._functorch.config.force_non_lazy_backward_lowering
     with compile_in_turn(False):
         assert not torch._functorch.config.force_non_lazy_backward_lowering
-
-
-def test_ranks_on_a_shared_cache_compile_after_rank_0():
-    run_distributed(_in_turn_worker, 3)
