@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ...buckets.gather import fp8_unpack
+from .schedule import GATHER_CHAIN_OPS
+
 __all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views", "shared_backward_subgraphs"]
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -152,8 +155,8 @@ def _signature(region: _Region) -> str:
     """The region's computation up to its operands' identities: equal strings, one subgraph."""
     label = {n: f"in{i}" for i, n in enumerate(region.inputs)}
     label.update({n: f"n{i}" for i, n in enumerate(region.nodes)})
-    parts = [f"{tuple(v.meta['example_value'].shape)}:{v.meta['example_value'].stride()}:"
-             f"{v.meta['example_value'].dtype}:{v.meta['example_value'].requires_grad}" for v in region.inputs]
+    examples = [v.meta["example_value"] for v in region.inputs]
+    parts = [f"{tuple(e.shape)}:{e.stride()}:{e.dtype}:{e.requires_grad}" for e in examples]
     for node in region.nodes:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: label[n])
         parts.append(f"{node.op}:{node.target}:{args!r}")
@@ -223,14 +226,9 @@ def _call(graph: fx.Graph, region: _Region, ident: str, replaced: dict[fx.Node, 
 
 
 # Views that a subgraph's partition may save of a parameter operand (a transposed weight, or a
-# parameter of a bucket the subgraph takes whole): replaying them outside the subgraph is free.
-_VIEWS = {
-    torch.ops.aten.split_with_sizes.default, operator.getitem,
-    torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim, torch.ops.aten.slice.Tensor,
-}
+# parameter of a bucket the subgraph takes whole): the gather chain's views, which are free to replay
+# outside the subgraph (not its wait or FP8 dequantization).
+_VIEWS = (GATHER_CHAIN_OPS - {torch.ops._c10d_functional.wait_tensor.default, fp8_unpack._opoverload}) | {operator.getitem}
 
 
 def _view_chain(output: fx.Node) -> tuple[int, list[fx.Node]] | None:
