@@ -14,12 +14,17 @@ and in how many rounds A was no slower. A second instance of one system (the twi
 what the method resolves: its ratios to the first would all be 1.00 on a quiet machine.
 
 Between two systems' slices each rank waits at a barrier, and the first step of each slice is not
-timed (the switch evicts caches: that step pays for the previous system's memory traffic). An
+timed (the switch evicts caches: that step pays for the previous system's memory traffic). Python's
+cyclic garbage collector is run before a slice's timed steps and held off during them: every system's
+compiled graphs live in the same heap, so a collection walks all of them and would land on
+whichever system happened to be running (on a quiet machine the twin's per-round ratios spread
+0.79-1.23 with the collector on, 0.93-1.13 with it held off; 8 rounds each, llama). An
 fsdp_pass system leaves no gather in flight when its slice ends (``Training.quiesce``).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -63,11 +68,15 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
         for tag in order:
             barrier()
             runs[tag].step(index)  # the switch's step: not timed
+            gc.collect()  # no collector pass inside a timed step (see the note)
+            gc.disable()
+            barrier()
             times = []
             for k in range(args["steps"]):
                 t0 = time.perf_counter()
                 runs[tag].step(index + 1 + k)
                 times.append(time.perf_counter() - t0)
+            gc.enable()
             runs[tag].quiesce()
             out[tag]["rounds"].append(times)
         index += 1 + args["steps"]
