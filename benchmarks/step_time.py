@@ -548,10 +548,13 @@ def round_robin(keys: list[str], args: dict, cfg: LlamaConfig, twin: str | None,
 
 
 def _ratio_cell(s: dict | None) -> str:
-    """``median (min-max) k/n``: the median per-round ratio, its range, and the rounds it was at most 1."""
+    """``median (min-max) k/n, mean [low-high]``: the median per-round ratio, its range, the rounds it was
+    at most 1, and the geometric mean ratio with its 95% confidence interval."""
     if s is None:
         return "-"
-    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) {s['no_slower']}/{s['rounds']}"
+    low, high = s["ci95"]
+    return (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) {s['no_slower']}/{s['rounds']}, "
+            f"{s['geo_mean']:.2f} [{low:.2f}-{high:.2f}]")
 
 
 def round_robin_table(rows: list[dict], references: list[str]) -> str:
@@ -663,7 +666,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None,
                     help="measured steps: per system and round (default 3; --quick 2), or per run with --sequential "
                          "(default 10; --quick 3)")
-    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds (default 5)")
+    ap.add_argument("--rounds", type=int, default=15, help="round-robin rounds (default 15)")
     ap.add_argument("--twin", default=OURS,
                     help=f"also run a second instance of this system, to show what the ratios resolve "
                          f"(default {OURS}; '' for none)")

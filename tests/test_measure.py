@@ -128,3 +128,6 @@ def test_round_robin_compares_round_by_round():
     summary = RR.ratio_summary(RR.per_round_ratios(a, b))
     assert summary["ratios"] == [0.7 / 1.0, 2.2 / 2.0] and summary["no_slower"] == 1 and summary["rounds"] == 2
     assert RR.ratio_summary([1.0, 1.0, 1.2])["no_slower"] == 2  # as fast counts as no slower
+    steady, noisy = RR.ratio_summary([0.9, 0.92, 0.88, 0.9]), RR.ratio_summary([0.6, 1.2, 0.9, 0.95])
+    assert abs(steady["geo_mean"] - 0.8999) < 1e-3 and steady["ci95"][1] < 0.95  # resolves a 10% gain
+    assert noisy["ci95"][0] < 1.0 < noisy["ci95"][1]  # about the same mean, not resolved
