@@ -71,35 +71,49 @@ def _same_as_flat_worker(rank: int, world: int) -> None:
             assert not cats
 
 
-def test_blocks_compiled_once_train_bitwise_as_the_flat_graph_and_ranks_compile_in_turn():
-    run_distributed(_same_as_flat_worker, 2)
-
-
 class _Odd(Block):
-    """A block with one more op than its neighbours."""
+    """A block with one more op than the plain ones."""
 
     def forward(self, x, freqs):
         return super().forward(x, freqs) * 0.5
 
 
+class _Odder(Block):
+    """A block like no other."""
+
+    def forward(self, x, freqs):
+        return super().forward(x, freqs) * 0.25 + 1.0
+
+
 def _differing_worker(rank: int, world: int) -> None:
-    cfg = LlamaConfig(layers=4)
+    """Three plain blocks share a subgraph; two alike odd ones stay flat (shared from three), as does one
+    like no other; training is bitwise the flat graph's."""
+    cfg = LlamaConfig(layers=6)
     runs = {}
     for once in (True, False):
         torch.manual_seed(0)
         model = Llama(cfg)
-        odd = _Odd(cfg)
-        odd.load_state_dict(model.layers[2].state_dict())
-        model.layers[2] = odd
+        for i, kind in ((2, _Odd), (4, _Odd), (5, _Odder)):
+            odd = kind(cfg)
+            odd.load_state_dict(model.layers[i].state_dict())
+            model.layers[i] = odd
         runs[once] = _train(model, {"compiler": "aot_eager", "compile_blocks_once": once}, rank, world)
     (l1, p1, o), (l0, p0, _) = runs[True], runs[False]
     assert all(torch.equal(a, b) for a, b in zip(l1, l0)) and all(torch.equal(a, b) for a, b in zip(p1, p0))
     assert "layers.0, layers.1, layers.3 call one subgraph (fsdp_block_0, 3 calls)" in o["explain"], o["explain"]
-    assert "block left flat: layers.2 (matches no other block)" in o["explain"], o["explain"]
+    for block in ("layers.2", "layers.4"):
+        assert f"block left flat: {block} (2 alike; shared from 3)" in o["explain"], o["explain"]
+    assert "block left flat: layers.5 (matches no other block)" in o["explain"], o["explain"]
 
 
-def test_a_block_that_differs_stays_flat_and_says_why():
-    run_distributed(_differing_worker, 1)
+def _cases(rank: int, world: int) -> None:
+    _same_as_flat_worker(rank, world)
+    _differing_worker(rank, world)
+
+
+def test_blocks_compiled_once_train_bitwise_as_the_flat_graph_blocks_that_differ_stay_flat_and_say_why():
+    """One process group: the compile turn, blocks compiled once against flat, differing blocks."""
+    run_distributed(_cases, 2)
 
 
 def _compile_in_turn(rank: int, world: int) -> None:
