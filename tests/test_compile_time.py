@@ -130,3 +130,13 @@ def _compile_in_turn(rank: int, world: int) -> None:
     assert not torch._functorch.config.force_non_lazy_backward_lowering
     with compile_in_turn(False):
         assert not torch._functorch.config.force_non_lazy_backward_lowering
+
+
+def test_explain_names_blocks_without_the_traced_frame_local():
+    """``explain()`` names a block by its module path however the model reached the graph (``self`` or an argument)."""
+    from fsdp_pass.compile.passes.outline import Outlined
+
+    lines = Outlined(shared={"fsdp_block_0": ["L['self'].layers.1", "L['self'].layers.2", "L['self'].layers.3"]},
+                     left_flat={"L['args'][0].model.layers.0": "2 alike; shared from 3"}).lines()
+    assert lines == ["repeated blocks compiled once: layers.1, layers.2, layers.3 call one subgraph (fsdp_block_0, 3 calls)",
+                     "block left flat: model.layers.0 (2 alike; shared from 3)"], lines

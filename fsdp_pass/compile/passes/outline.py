@@ -50,6 +50,7 @@ __all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 MIN_CALLS = 3  # blocks of one computation before they share a subgraph (see the note)
 _INDEXED = re.compile(r"^(.*)(\.(\d+)|\[['\"]?(\d+)['\"]?\])$")  # "L['self'].layers.3", "...layers['3']"
+_ROOT = re.compile(r"^L(\[[^\]]*\])+\.")  # the traced frame's local: "L['self'].", "L['args'][0]."
 
 
 @dataclass
@@ -60,9 +61,14 @@ class Outlined:
     left_flat: dict[str, str] = field(default_factory=dict)  # block → why it stays in the outer graph
 
     def lines(self) -> list[str]:
-        lines = [f"repeated blocks compiled once: {_span(blocks)} call one subgraph ({ident}, {len(blocks)} calls)"
-                 for ident, blocks in self.shared.items()]
-        return lines + [f"block left flat: {block} ({why})" for block, why in self.left_flat.items()]
+        lines = [f"repeated blocks compiled once: {_span([_readable(b) for b in blocks])} call one subgraph "
+                 f"({ident}, {len(blocks)} calls)" for ident, blocks in self.shared.items()]
+        return lines + [f"block left flat: {_readable(block)} ({why})" for block, why in self.left_flat.items()]
+
+
+def _readable(block: str) -> str:
+    """A block's path without the traced frame's local it was reached through (``layers.3``)."""
+    return _ROOT.sub("", block)
 
 
 def _span(blocks: list[str]) -> str:
@@ -70,10 +76,10 @@ def _span(blocks: list[str]) -> str:
 
 
 def _block_of(node: fx.Node) -> str | None:
-    """The outermost indexed module on ``node``'s module stack, as a readable path (``layers.3``)."""
+    """The outermost indexed module on ``node``'s module stack (``L['self'].layers.3``)."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         if _INDEXED.match(path):
-            return path.removeprefix("L['self'].")
+            return path  # the full path, root included: two models of one frame have distinct blocks
     return None
 
 
