@@ -23,7 +23,7 @@ With ``--sequential`` each system runs in fresh processes (``fsdp_pass.testing.s
 ``file://`` init, 120 s process-group timeout): warm-up steps, then measured steps (forward + backward
 + AdamW step + zero_grad), then one profiled step (memory, copies, overlap).
 
-    python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--rounds 5] [--steps 3] [--warmup 3]
+    python benchmarks/step_time.py [--model llama|moe] [--world-size 2] [--rounds 15] [--steps 3] [--warmup 3]
                                    [--systems single,fsdp2,fsdp_pass_inductor] [--twin KEY] [--nice -10] [--quick]
     python benchmarks/step_time.py --sequential [--repeat 2] [--steps 10]
     python benchmarks/step_time.py --bucket-sweep [--model llama]

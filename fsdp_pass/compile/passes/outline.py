@@ -28,9 +28,9 @@ dtypes. A group is outlined from ``MIN_CALLS`` blocks on: a shared subgraph is o
 AOTAutograd and Inductor, and for two calls it cost more than it saved (llama dim 256, 2 ranks,
 Inductor, empty cache: 3 layers, whose layers 0 and 2 match, 79.8 s outlined against 71.8 s flat;
 4 layers, two pairs, 83.1 against 79.5 s; with pairs left flat, 5 layers 82.9 against 88.9 s and 8
-layers 95.5 against 100.0 s in the same run). A block is left flat, and :attr:`Outlined.left_flat` says why, when it matches too few other
-blocks, holds a nested graph (activation checkpointing), takes tensor-subclass or symbolic operands,
-or is interleaved with code outside it.
+layers 95.5 against 100.0 s in the same run). A block is left flat, and :attr:`Outlined.left_flat`
+says why, when it matches too few other blocks, holds a nested graph (activation checkpointing),
+takes tensor-subclass or symbolic operands, or is interleaved with code outside it.
 """
 
 from __future__ import annotations
