@@ -3,7 +3,7 @@
     python benchmarks/compile_time.py                          # 2, 8, 16, 32 layers, every system
     python benchmarks/compile_time.py --layers 2 16 --systems fsdp_pass fsdp2_block
     python benchmarks/compile_time.py --scaling 8              # 1/2/4 ranks, shared cache off/on, at 8 layers
-    python benchmarks/compile_time.py --warm 8                 # a second launch on the same cache
+    python benchmarks/compile_time.py --warm 8                 # a second launch on the same cache (option off / on)
 
 A llama-style model (dim 256, 8 heads, 4 KV heads, FFN 512, sequence 64, fp32, AdamW), 2 gloo ranks
 pinned to a core each; every run is a fresh set of processes with an empty Inductor cache (except the
@@ -163,10 +163,15 @@ def main() -> None:
         _print(scaling, "ranks (2 cores: 4 ranks share them), shared_compile_cache off / on")
         result["scaling"] = scaling
     if a.warm:
-        with tempfile.TemporaryDirectory() as cache:
-            warm = [measure("fsdp_pass", "llama", a.warm, a.world, cache=cache) for _ in range(2)]
-        warm[0]["system"], warm[1]["system"] = "cold", "warm"
-        _print(warm, "a second launch on the same cache")
+        warm = []
+        for shared in (False, True):
+            with tempfile.TemporaryDirectory() as cache:
+                runs = [measure("fsdp_pass", "llama", a.warm, a.world, {"shared_compile_cache": shared}, cache=cache)
+                        for _ in range(2)]
+            for r, launch in zip(runs, ("cold", "warm")):
+                r["system"] = f"{launch}{' shared' if shared else ''}"
+            warm += runs
+        _print(warm, "a second launch on the same cache, shared_compile_cache off / on")
         result["warm"] = warm
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))

@@ -152,8 +152,8 @@ class Options:
             [Note: repeated blocks compiled once] in compile/passes/outline.py).
         shared_compile_cache: the ranks share one compile cache folder (``TORCHINDUCTOR_CACHE_DIR``,
             node-local or on a shared file system): rank 0 compiles each graph first, the others then
-            load Inductor's output from the cache (default False; see [Note: ranks compile a graph once
-            between them] in compile/shared_cache.py).
+            load AOTAutograd's and Inductor's output from it, as does a later launch (default False; see
+            [Note: ranks compile a graph once between them] in compile/shared_cache.py).
         reshard_after_forward: free gathered parameters after forward and gather again in backward
             (default True, ZeRO-3 memory; or what ``fully_shard`` set); False keeps them (less
             communication, more memory); an int k (FSDP2's meaning: the ranks of a node) keeps 1/k of

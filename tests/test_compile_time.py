@@ -1,9 +1,13 @@
 """Compile time: repeated blocks compiled once ([Note: repeated blocks compiled once]) train like the
 flat graph, with the same collectives and gathers recomputed in backward, and blocks that differ stay
-flat; ranks on a shared cache compile in turn ([Note: ranks compile a graph once between them])."""
+flat; ranks on a shared cache compile in turn ([Note: ranks compile a graph once between them]) and a
+second compile loads AOTAutograd's output only for the settings that made it ([Note: AOTAutograd's
+output cached with the backend's settings in its key])."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import torch
@@ -106,14 +110,45 @@ def _differing_worker(rank: int, world: int) -> None:
     assert "block left flat: layers.5 (matches no other block)" in o["explain"], o["explain"]
 
 
-def _cases(rank: int, world: int) -> None:
+def _aot_cache_counts() -> dict:
+    return dict(torch._dynamo.utils.counters["aot_autograd"])
+
+
+def _warm_start_worker(rank: int, world: int, cache: str) -> None:
+    """With ``shared_compile_cache`` a second compile of the same model and options (a warm start: Dynamo
+    reset, the cache folder kept) loads AOTAutograd's and Inductor's output and trains bitwise the same;
+    other options, whose schedule the cache key would not otherwise see, compile anew."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # one folder for both ranks, empty at first
+    cfg = LlamaConfig(layers=1)
+    shared = {"compiler": "inductor", "shared_compile_cache": True}
+    runs = []
+    for options in (shared, shared, {**shared, "reshard_after_forward": False}):
+        before = _aot_cache_counts()
+        torch.manual_seed(0)
+        losses, params, o = _train(Llama(cfg), options, rank, world)
+        after = _aot_cache_counts()
+        runs.append((losses, params, o["record"].graphs,
+                     {k: after.get(k, 0) - before.get(k, 0) for k in ("autograd_cache_hit", "autograd_cache_miss")}))
+    (l_cold, p_cold, g_cold, n_cold), (l_warm, p_warm, g_warm, n_warm), (_, _, g_other, n_other) = runs
+    compiled, loaded = {"autograd_cache_hit": 0, "autograd_cache_miss": 1}, {"autograd_cache_hit": 1, "autograd_cache_miss": 0}
+    # Rank 0 compiles each graph; the other ranks, compiling after it, load it ([Note: ranks compile a graph once between them]).
+    assert [n_cold, n_warm, n_other] == ([compiled, loaded, compiled] if rank == 0 else [loaded] * 3), (n_cold, n_warm, n_other)
+    for graphs, made in ((g_cold, rank == 0), (g_warm, False), (g_other, rank == 0)):
+        assert ("forward" in graphs) == made, list(graphs)
+        assert made or "loaded from torch's compile cache" in graphs["compiled stages"], list(graphs)
+    assert all(torch.equal(a, b) for a, b in zip(l_cold, l_warm)) and all(torch.equal(a, b) for a, b in zip(p_cold, p_warm))
+
+
+def _cases(rank: int, world: int, cache: str) -> None:
     _same_as_flat_worker(rank, world)
     _differing_worker(rank, world)
+    _warm_start_worker(rank, world, cache)
 
 
 def test_blocks_compiled_once_train_bitwise_as_the_flat_graph_blocks_that_differ_stay_flat_and_say_why():
-    """One process group: the compile turn, blocks compiled once against flat, differing blocks."""
-    run_distributed(_cases, 2)
+    """One process group: the compile turn, blocks compiled once against flat, differing blocks, a warm start."""
+    with tempfile.TemporaryDirectory() as cache:
+        run_distributed(_cases, 2, cache)
 
 
 def _compile_in_turn(rank: int, world: int) -> None:

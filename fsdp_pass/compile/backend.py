@@ -98,6 +98,11 @@ class CompiledGraph:
         """Record Inductor's generated code for a stage."""
         self.graphs[stage + " (inductor code)"] = source
 
+    def loaded(self, stage: str) -> None:
+        """Record that a stage was loaded from torch's compile cache (its graph was not made here)."""
+        self.graphs[stage] = ("loaded from torch's compile cache (options['shared_compile_cache']): not traced "
+                              "here, so there is no graph to show; a fresh TORCHINDUCTOR_CACHE_DIR shows it")
+
 
 # The backend calls of this process, for explain(): records of deleted models are dropped, and of
 # graphs without parameters only the latest few are kept.
@@ -335,3 +340,6 @@ class _Suffixed:
 
     def code(self, stage: str, source: str) -> None:
         self.sink.code(stage + self.suffix, source)
+
+    def loaded(self, stage: str) -> None:
+        self.sink.loaded(stage + self.suffix)

@@ -27,7 +27,7 @@ from ...options import Options
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
-from ..shared_cache import compile_in_turn
+from ..shared_cache import cache_compiled_graphs, compile_in_turn
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
 from .outline import Outlined, outline_repeated_blocks, rematerialize_parameter_views, shared_backward_subgraphs
@@ -46,6 +46,10 @@ class GraphSink(Protocol):
 
     def code(self, stage: str, source: str) -> None:
         """Inductor's generated code for the stage: the final schedule."""
+
+    def loaded(self, stage: str) -> None:
+        """The graph's compiled stages came from torch's compile cache: no stage ran here ([Note:
+        AOTAutograd's output cached with the backend's settings in its key])."""
 
 
 @dataclass
@@ -94,7 +98,8 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of) \
         if reshard else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
-    with patch, compile_in_turn(opts.shared_compile_cache and opts.compiler == "inductor"):
+    shared = opts.shared_compile_cache and opts.compiler == "inductor"
+    with patch, compile_in_turn(shared), cache_compiled_graphs(shared, gm, opts, buffers):
         if opts.compiler == "aot_eager":
             backend = aot_autograd(
                 fw_compiler=_scheduled(opts, sink, buffers, taken, "forward"),
@@ -107,8 +112,29 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
         # from pulling waits up to their collectives.
         patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
-        return compile_fx(gm, inputs, inner_compile=_scheduled(opts, sink, buffers, taken, compiler=compile_fx_inner),
-                          config_patches=patches)
+        seen = _StagesSeen(sink)
+        compiled = compile_fx(gm, inputs, inner_compile=_scheduled(opts, seen, buffers, taken, compiler=compile_fx_inner),
+                              config_patches=patches)
+        if not seen.stages:
+            sink.loaded("compiled stages")
+        return compiled
+
+
+class _StagesSeen:
+    """A graph sink that passes everything on and notes which stages it was told of."""
+
+    def __init__(self, sink: GraphSink):
+        self.sink, self.stages = sink, set()  # stages: the stage names compiled here
+
+    def graph(self, stage: str, gm: fx.GraphModule) -> None:
+        self.stages.add(stage)
+        self.sink.graph(stage, gm)
+
+    def code(self, stage: str, source: str) -> None:
+        self.sink.code(stage, source)
+
+    def loaded(self, stage: str) -> None:
+        self.sink.loaded(stage)
 
 
 def _reshard_after_forward(gm: fx.GraphModule, joint_inputs: Any, keep_last: bool,
