@@ -37,10 +37,11 @@ def mlp_case(compiler: str, reshard: bool = True, steps: int = 10) -> Case:
                 options={"compiler": compiler, "reshard_after_forward": reshard}, tolerance=TOLERANCE)
 
 
-def llama_case(compiler: str, experts: int = 0, steps: int = 10, layers: int = 2, **options) -> Case:
+def llama_case(compiler: str, experts: int = 0, steps: int = 10, layers: int = 2, global_batch: int = 8,
+               **options) -> Case:
     cfg = LlamaConfig(experts=experts, layers=layers)
     return Case(f"llama(experts={experts})/{compiler}/{options}", lambda: init_std(Llama(cfg)), _token_batch, _lm,
-                steps=steps, options={"compiler": compiler, **options}, tolerance=TOLERANCE)
+                global_batch=global_batch, steps=steps, options={"compiler": compiler, **options}, tolerance=TOLERANCE)
 
 
 def _hf_llama(layers: int = 2):
@@ -82,7 +83,8 @@ def _all_cases() -> list[Case]:
         mlp_case("aot_eager", False),
         llama_case("aot_eager"),
         llama_case("aot_eager", reshard_after_forward=False),  # under Inductor: test_backend's structure check
-        llama_case("inductor", layers=1),  # Inductor: one layer (compile time grows with the graph)
+        # Inductor: one layer, 2 sequences a rank: test_schedule.py's graphs, compiled once between the two tests.
+        llama_case("inductor", layers=1, global_batch=4),
         llama_case("aot_eager", experts=4),
         hf_case("aot_eager"),
         hf_case("inductor", steps=5, layers=1),
