@@ -112,6 +112,7 @@ def _package_functions(gm: fx.GraphModule) -> set[str]:
             if node.op != "call_function":
                 continue
             owner = getattr(node.target, "__module__", None) or ""
-            if owner.split(".")[0] == __name__.split(".")[0]:
-                names.add(f"{owner}.{node.target.__name__}")
+            name = getattr(node.target, "__name__", None)  # a callable object has none: left unmarked, not cached
+            if name and owner.split(".")[0] == __name__.split(".")[0]:
+                names.add(f"{owner}.{name}")
     return names

@@ -112,29 +112,12 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
         # from pulling waits up to their collectives.
         patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
-        seen = _StagesSeen(sink)
-        compiled = compile_fx(gm, inputs, inner_compile=_scheduled(opts, seen, buffers, taken, compiler=compile_fx_inner),
-                              config_patches=patches)
-        if not seen.stages:
+        ran: list[str] = []  # the stages compiled here; none when AOTAutograd loaded the graph from its cache
+        compiled = compile_fx(gm, inputs, config_patches=patches,
+                              inner_compile=_scheduled(opts, sink, buffers, taken, compiler=compile_fx_inner, ran=ran))
+        if not ran:
             sink.loaded("compiled stages")
         return compiled
-
-
-class _StagesSeen:
-    """A graph sink that passes everything on and notes which stages it was told of."""
-
-    def __init__(self, sink: GraphSink):
-        self.sink, self.stages = sink, set()  # stages: the stage names compiled here
-
-    def graph(self, stage: str, gm: fx.GraphModule) -> None:
-        self.stages.add(stage)
-        self.sink.graph(stage, gm)
-
-    def code(self, stage: str, source: str) -> None:
-        self.sink.code(stage, source)
-
-    def loaded(self, stage: str) -> None:
-        self.sink.loaded(stage)
 
 
 def _reshard_after_forward(gm: fx.GraphModule, joint_inputs: Any, keep_last: bool,
@@ -149,9 +132,10 @@ def _reshard_after_forward(gm: fx.GraphModule, joint_inputs: Any, keep_last: boo
 
 
 def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken: Mapping[int, GatherConfig] | None,
-               stage: str | None = None, compiler: Callable | None = None) -> Callable:
+               stage: str | None = None, compiler: Callable | None = None, ran: list[str] | None = None) -> Callable:
     """A graph compiler for aot_autograd: schedule the graph (and write a backward graph's gradients
-    into its buckets), tell ``sink``, then run ``compiler`` (default: as is)."""
+    into its buckets), tell ``sink`` (and append the stage's name to ``ran``), then run ``compiler``
+    (default: as is)."""
 
     def compile_stage(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
         name = stage or ("backward" if kwargs.get("is_backward") else
@@ -163,6 +147,8 @@ def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken
             for graph in [gm, *shared_backward_subgraphs(gm)]:  # [Note: repeated blocks compiled once]
                 write_gradients_into_buckets(graph, buffers, inductor=compiler is not None)
         sink.graph(name, gm)
+        if ran is not None:
+            ran.append(name)
         if compiler is None:
             return make_boxed_func(gm.forward)
         compiled = compiler(gm, example_inputs, **kwargs)
