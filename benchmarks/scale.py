@@ -50,6 +50,7 @@ from fsdp_pass.testing.fake_pg import fake_process_group  # noqa: E402
 from fsdp_pass.testing.models import RMSNorm  # noqa: E402
 from fsdp_pass.plan.model_configs import model_units  # noqa: E402
 from fsdp_pass.options import Options  # noqa: E402
+from fsdp_pass.compile.passes.detect import find_parameters  # noqa: E402
 from fsdp_pass.compile.passes.pipeline import run_passes  # noqa: E402
 from fsdp_pass.buckets.dbuffer import DBuffer  # noqa: E402
 from fsdp_pass.buckets.gather import gather_bucket  # noqa: E402
@@ -237,15 +238,17 @@ def build(model: str, layers: int | None = None, dtype: torch.dtype = torch.floa
 class Captured:
     gm: fx.GraphModule  # Dynamo's graph, never modified (the rewrite works on a copy)
     example_inputs: list  # the model's parameters (meta) and the tokens, in placeholder order
+    names: dict[int, str]  # placeholder position → the parameter's name in the model, taken inside Dynamo's call
     seconds: float
 
 
 def capture(model: nn.Module, batch: int = 1, seq: int = 8) -> Captured:
     """Dynamo's graph of ``model``'s forward on meta tokens (one graph, no breaks)."""
-    graphs: list[tuple[fx.GraphModule, list]] = []
+    graphs: list[tuple[fx.GraphModule, list, dict[int, str]]] = []
 
-    def keep(gm: fx.GraphModule, example_inputs: list):  # a backend that only keeps the graph
-        graphs.append((gm, list(example_inputs)))
+    def keep(gm: fx.GraphModule, example_inputs: list):  # a backend that only keeps the graph and the names
+        names = {s.index: s.name for s in find_parameters(gm, example_inputs)}
+        graphs.append((gm, list(example_inputs), names))
         return gm.forward
 
     torch._dynamo.reset()
@@ -253,9 +256,9 @@ def capture(model: nn.Module, batch: int = 1, seq: int = 8) -> Captured:
     started = time.perf_counter()
     torch.compile(model, backend=keep, fullgraph=True)(tokens)
     seconds = time.perf_counter() - started
-    (gm, inputs), = graphs
+    (gm, inputs, names), = graphs
     torch._dynamo.reset()  # the graph is ours now; Dynamo's caches can go
-    return Captured(gm, inputs, seconds)
+    return Captured(gm, inputs, names, seconds)
 
 
 def fresh_parameters(example_inputs: list) -> list:
@@ -284,7 +287,7 @@ def timed_passes(captured: Captured, options: dict) -> dict:
     opts = Options.from_dict({"compile_blocks_once": False, **options})
     inputs = fresh_parameters(captured.example_inputs)
     rss = _rss_bytes()
-    result = run_passes(captured.gm, inputs, opts)
+    result = run_passes(captured.gm, inputs, opts, names=captured.names)
     rss_growth = _rss_bytes() - rss
     sites, new, rewritten = result.sites, result.sharded.new, result.rewritten
 

@@ -25,6 +25,9 @@ class Case:
     options: dict = field(default_factory=dict)
     optimizer: Callable = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     tolerance: float = 1e-5
+    # how the model is sharded and compiled: (model, backend options) → what to call; None: torch.compile
+    # of the whole, unsharded model with backend="vescale"
+    prepare: Callable[[nn.Module, dict], Callable] | None = None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,7 +46,10 @@ def run_case(case: Case, rank: int, world: int, mesh=None) -> dict:
     options = dict(case.options)
     if mesh is not None:
         options["mesh"] = mesh
-    compiled = torch.compile(model, backend="vescale", options=options)
+    if case.prepare is None:
+        compiled = torch.compile(model, backend="vescale", options=options)
+    else:
+        compiled = case.prepare(model, options)
     per_rank = case.global_batch // world
     worst_loss = 0.0
     for step in range(case.steps):

@@ -63,13 +63,16 @@ class PassResult:
     seconds: dict[str, float]  # wall time of each pass: "detect", "shard", "rewrite", "outline"
 
 
-def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> PassResult | None:
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
+               names: Mapping[int, str] | None = None) -> PassResult | None:
     """Detect → shard → rewrite → outline on Dynamo's graph (left untouched: the rewrite works on a copy).
 
     None when the graph uses no parameter. Pass 4 runs inside aot_autograd (:func:`compile_scheduled`).
+    ``names`` (placeholder position → parameter name): for a graph run outside Dynamo's call, where the
+    parameters' modules cannot be resolved ([Note: parameters known by identity] in passes/detect.py).
     """
     t0 = time.perf_counter()
-    sites = find_parameters(gm, example_inputs)
+    sites = find_parameters(gm, example_inputs, names)
     if not sites:
         return None
     _check_static_shapes_with_dtensor_parameters(sites, example_inputs)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch.nn as nn
-from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from ...sharding.blocks import block_size
 from ...options import Options
@@ -26,7 +25,7 @@ from ...sharding.buckets import ShardingConfig
 from ...sharding.fp8_select import plan_fp8
 from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
-from .detect import ParamSite, dynamo_source, graph_block_rows
+from .detect import ParamSite, graph_block_rows
 
 __all__ = ["Sharded", "shard_sites"]
 
@@ -35,7 +34,7 @@ __all__ = ["Sharded", "shard_sites"]
 class Sharded:
     """What pass 2 gives the rewrite pass."""
 
-    buckets: dict[str, tuple[DBuffer, str]]  # every site's FQN → (its DBuffer, its name in that buffer)
+    buckets: dict[str, tuple[DBuffer, str]]  # every site's name → (its DBuffer, its name in that buffer), by identity
     new: list[DBuffer]  # the DBuffers this call made (parameters sharded now)
 
 
@@ -66,26 +65,5 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
 
 def _traced_modules(sites: Sequence[ParamSite]) -> list[nn.Module]:
     """The outermost modules the traced frame reached the graph's parameters through (``L['self']``, a global
-    model, a closure's), resolved from Dynamo's sources; none when the backend runs outside Dynamo."""
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # this thread never traced a frame (the scale benchmark runs the passes directly)
-        return []
-    if tx is None:
-        return []
-    found: dict[int, nn.Module] = {}
-    for site in sites:
-        source = dynamo_source(site.node)
-        chain = []
-        while source is not None:
-            chain.append(source)
-            source = getattr(source, "base", None)
-        for link in reversed(chain):  # from the frame's local or global inwards
-            try:
-                value = tx.output.resolve_source_value(link)
-            except Exception:  # read through one of Dynamo's own helpers, like every link inside it
-                break
-            if isinstance(value, nn.Module):
-                found.setdefault(id(value), value)
-                break
-    return list(found.values())
+    model, a closure's); none when the backend runs outside Dynamo."""
+    return list({id(s.root): s.root for s in sites if s.root is not None}.values())
