@@ -48,18 +48,21 @@ def install_list_kernels_for_sharded_parameters() -> None:
                     register_optimizer_step_post_hook(_flatten_states_after_step))
 
 
-# optimizer → {id(a group's params list): its length when every parameter in it was found sharded}. A
-# sharded parameter stays sharded, so the full scan runs once per group, not at every step; a "no" is
-# not kept (parameters may be sharded later) and its scan stops at the first plain parameter.
-_all_sharded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, int]]" = weakref.WeakKeyDictionary()
+# optimizer → {id(a group's params list): (that list, its length) when every parameter in it was found
+# sharded}. A sharded parameter stays sharded, so the full scan runs once per group, not at every step; a
+# "no" is not kept (parameters may be sharded later) and its scan stops at the first plain parameter. The
+# list itself is kept and compared by identity: a new list could reuse a freed one's id.
+_all_sharded: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, tuple[list, int]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _only_sharded(optimizer: torch.optim.Optimizer, params: list) -> bool:
     known = _all_sharded.setdefault(optimizer, {})
-    if known.get(id(params)) == len(params):
+    seen = known.get(id(params))
+    if seen is not None and seen[0] is params and seen[1] == len(params):
         return True
     if all(isinstance(p, RaggedShardTensor) and is_sharded(p) for p in params):
-        known[id(params)] = len(params)
+        known[id(params)] = (params, len(params))
         return True
     return False
 

@@ -239,18 +239,21 @@ def _cut(param: torch.Tensor, value: Any) -> Any:
     return value
 
 
-# optimizer → ids of its sharded parameters whose states were looked at since they were sharded
-_states_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]]" = weakref.WeakKeyDictionary()
+# optimizer → {id(p): a weak reference to p} for its sharded parameters whose states were looked at since they
+# were sharded; the reference is compared by identity, since a parameter made after one was freed may reuse its id
+_states_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, weakref.ref]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _shard_whole_states(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     _hook_loads(optimizer)
-    checked = _states_checked.setdefault(optimizer, set())
+    checked = _states_checked.setdefault(optimizer, {})
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if id(p) in checked or not is_sharded(p):
+            seen = checked.get(id(p))
+            if seen is not None and seen() is p or not is_sharded(p):
                 continue
-            checked.add(id(p))
+            checked[id(p)] = weakref.ref(p)
             state = optimizer.state.get(p)
             if state:
                 for key, value in state.items():
