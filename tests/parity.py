@@ -18,7 +18,7 @@ from fsdp_pass import RaggedShardTensor
 class Case:
     name: str
     make_model: Callable[[], nn.Module]
-    make_batch: Callable[[int, int], tuple]  # (step, global_batch) -> (inputs, targets)
+    make_batch: Callable[[int, int], tuple]  # (step, global_batch) -> (inputs, targets); inputs: a tensor or a tuple
     loss_fn: Callable
     global_batch: int = 8
     steps: int = 20
@@ -55,11 +55,12 @@ def run_case(case: Case, rank: int, world: int, mesh=None) -> dict:
     for step in range(case.steps):
         inputs, targets = case.make_batch(step, case.global_batch)
         lo, hi = rank * per_rank, (rank + 1) * per_rank
-        loss = case.loss_fn(compiled(inputs[lo:hi]), targets[lo:hi])
+        args = inputs if isinstance(inputs, tuple) else (inputs,)  # every input's dim 0 is the batch
+        loss = case.loss_fn(compiled(*(a[lo:hi] for a in args)), targets[lo:hi])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = case.loss_fn(reference(inputs), targets)
+        ref_loss = case.loss_fn(reference(*args), targets)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -78,7 +79,7 @@ def run_case(case: Case, rank: int, world: int, mesh=None) -> dict:
         worst_param = max(worst_param, diff)
     assert worst_loss <= case.tolerance, f"{case.name}: loss rel diff {worst_loss:.3g} > {case.tolerance}"
     assert worst_param <= case.tolerance, f"{case.name}: param rel diff {worst_param:.3g} > {case.tolerance}"
-    return {"loss_rel": worst_loss, "param_rel": worst_param}
+    return {"loss_rel": worst_loss, "param_rel": worst_param, "model": model, "reference": reference}
 
 
 def counters() -> dict:

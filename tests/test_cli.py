@@ -221,3 +221,12 @@ def test_load_model_builds_public_shapes_on_the_meta_device():
     assert params["layers.79.mlp.down_proj.weight"].shape == (8192, 28672)
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params.values())
     assert sum(p.numel() for p in params.values()) == total_params("llama3-70b")
+
+
+def test_plan_of_a_peft_model_names_units_as_named_parameters(capsys):
+    pytest.importorskip("peft")
+    assert main(["plan", "--model", "fsdp_pass.testing.third_party:tiny_lora_llama", "--world-size", "4",
+                 "--json"]) == 0
+    units = [b["units"] for b in json.loads(capsys.readouterr().out)["buckets"]["distinct"]]
+    assert any(u.startswith("base_model.model.model.layers.0") for u in units), units
+    assert not any("__dict__" in u for u in units), units

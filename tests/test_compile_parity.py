@@ -74,7 +74,8 @@ def _run_cases(rank: int, world: int, names: list[str], mesh_shape=None, hsdp_na
         for name in chosen:
             result = run_case(cases[name], rank, world, mesh=mesh)
             if rank == 0:
-                print(f"[{world} ranks, mesh {shape}] {name}: {result}")
+                print(f"[{world} ranks, mesh {shape}] {name}: loss {result['loss_rel']:.2g}, "
+                      f"parameters {result['param_rel']:.2g}")
 
 
 def _all_cases() -> list[Case]:
