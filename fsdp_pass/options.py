@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, NamedTuple
@@ -202,6 +203,14 @@ class Options:
         gradient_divide_factor: divide the gradients summed over the data-parallel ranks by this
             (default: the data-parallel degree, a mean; 1.0: the sum), as
             :func:`fsdp_pass.set_gradient_divide_factor`.
+        mode: torch.compile's ``mode`` (``"default"``, ``"max-autotune-no-cudagraphs"``, ...), with Inductor's
+            meaning: the Inductor settings torch's own table gives it (``torch._inductor.list_mode_options``).
+            An option because ``torch.compile`` refuses ``mode=`` together with ``options=``; alone it
+            comes as ``torch.compile``'s ``mode=``. Modes that turn on CUDA graphs are refused
+            ([Note: no CUDA graphs around the collectives]).
+        inductor: Inductor config settings for the graphs this backend compiles (``{"epilogue_fusion":
+            False}``): the mode's settings, then every key of ``options`` that is an Inductor config key
+            (``torch._inductor.list_options()``) rather than an fsdp_pass option.
     """
 
     mesh: Any = None
@@ -226,26 +235,32 @@ class Options:
     fp8_all_gather: "Fp8Options | None" = None
     gradient_divide_factor: float | None = None
     quantized_reduce: QuantizedReduce | None = None
+    mode: str | None = None
+    inductor: Mapping[str, Any] = field(default_factory=dict)  # Inductor config key → value, passed to compile_fx
 
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "shared_compile_cache", "reshard_after_forward", "reshard_last_bucket",
               "overlap_last_reduce", "prefetch_next_step", "step_reduced_first", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
-              "gradient_divide_factor", "quantized_reduce")
+              "gradient_divide_factor", "quantized_reduce", "mode")
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any] | None) -> "Options":
+    def from_dict(cls, options: Mapping[str, Any] | None, mode: str | None = None) -> "Options":
+        """``options`` validated; ``mode`` is ``torch.compile``'s (which never comes with ``options``)."""
         options = dict(options or {})
-        unknown = sorted(set(options) - set(cls._NAMES))
-        if unknown:
-            raise ValueError(
-                f"unknown fsdp_pass option(s) {unknown}; valid options are {sorted(cls._NAMES)}"
-            )
+        inductor = {key: options.pop(key) for key in list(options) if key not in cls._NAMES}
+        if mode is not None:
+            options["mode"] = mode
+        options["inductor"] = inductor_settings(options.get("mode"), inductor)
         options["param_dtype"], options["reduce_dtype"] = mp_policy_dtypes(options.pop("mp_policy", None))
         options["fp8_all_gather"] = Fp8Options.parse(options.get("fp8_all_gather"))
         options["quantized_reduce"] = QuantizedReduce.parse(options.get("quantized_reduce"))
         made = cls(**options)
         if made.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"options['compiler'] is {made.compiler!r}; use 'inductor' or 'aot_eager'")
+        if made.inductor and made.compiler != "inductor":
+            raise ValueError(f"Inductor settings {sorted(made.inductor)} (from mode={made.mode!r} or Inductor keys in "
+                             f"options) have no effect with options['compiler']={made.compiler!r}; drop them or "
+                             f"compile with 'inductor'")
         for name in ("param_dtype", "reduce_dtype"):
             check_mp_dtype(getattr(made, name), name)
         check_reshard_after_forward(made.reshard_after_forward, "options['reshard_after_forward']")
@@ -258,4 +273,57 @@ class Options:
         return made
 
     def describe(self) -> dict[str, Any]:
+        """Every field and its value (``explain()`` prints them; the shared compile cache digests them)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# [Note: no CUDA graphs around the collectives]
+# Inductor's CUDA graphs ("reduce-overhead", "max-autotune", triton.cudagraphs) would capture fsdp_pass's
+# graphs with their collectives inside: torch 2.13 tags no functional collective ``cudagraph_unsafe``
+# and lists none in ``torch._inductor.utils.FORBIDDEN_CUDAGRAPH_OPS``, so
+# ``get_first_incompatible_cudagraph_node`` lets them through. A replay re-launches the captured
+# kernels without running Python: the ``fsdp_pass::take_gathered`` op's hand-over (a gather the
+# optimizer step issued, buckets/gather.py), a reduce-scatter left in flight for the optimizer step
+# (step/deferred_reduce.py), and the per-call choice between a graph's variants (compile/backend.py)
+# would all be frozen at the capture. So modes and settings that turn CUDA graphs on are refused, with
+# the same mode less its CUDA graphs as the fix; every other Inductor setting passes through.
+_CUDAGRAPHS = "triton.cudagraphs"
+
+
+def inductor_settings(mode: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor config patches for ``mode`` (torch's own table) updated with ``settings`` (Inductor config keys,
+    ``-`` read as ``_`` as torch.compile reads them), each key and value checked as torch.compile checks them."""
+    from torch._inductor import config, list_mode_options
+
+    modes = list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ValueError(f"mode {mode!r} is not a torch.compile mode; use one of {sorted(modes)}")
+    known = config.get_config_copy()
+    patches = dict(modes[mode]) if mode is not None else {}
+    for key, value in settings.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in known:
+            raise ValueError(_unknown_key_message(key, known))
+        expected = config.get_type(name)
+        if getattr(expected, "__origin__", None) is None and isinstance(expected, type) and not isinstance(value, expected):
+            raise ValueError(f"Inductor option {key!r} takes a {type(known[name]).__name__}, got {value!r}")
+        patches[name] = value
+    if patches.get(_CUDAGRAPHS):
+        source = f"options[{_CUDAGRAPHS!r}]" if settings.get(_CUDAGRAPHS) else f"mode={mode!r}"
+        raise ValueError(
+            f"{source} turns on Inductor's CUDA graphs, which fsdp_pass does not support: they would capture the "
+            f"all-gathers and reduce-scatters, and a replay skips the Python side of fsdp_pass's collectives "
+            f"(prefetched and in-flight buckets); use mode='max-autotune-no-cudagraphs' (max-autotune without CUDA "
+            f"graphs) or the default mode, and leave triton.cudagraphs off"
+        )
+    return patches
+
+
+def _unknown_key_message(key: Any, inductor_keys: Mapping[str, Any]) -> str:
+    """The refusal of a key that is neither an fsdp_pass option nor an Inductor config key, naming the closest of both."""
+    text = str(key)
+    ours = difflib.get_close_matches(text, Options._NAMES, n=3)
+    theirs = difflib.get_close_matches(text.replace("-", "_"), list(inductor_keys), n=3)
+    return (f"unknown fsdp_pass option(s) [{key!r}]; valid options are {sorted(Options._NAMES)}, and Inductor config "
+            f"keys (torch._inductor.list_options()); closest fsdp_pass options: {ours or 'none'}, closest Inductor "
+            f"keys: {theirs or 'none'}")

@@ -136,9 +136,13 @@ def _warn_running_eagerly(first_parameter: str) -> None:
 
 
 @register_backend
-def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
-    """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it."""
-    opts = Options.from_dict(options)
+def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, mode: str | None = None) -> Callable:
+    """Shard the parameters of ``gm`` (fully sharded data parallel) and compile it.
+
+    ``options``: fsdp_pass's options and Inductor config keys (docs/options.md); ``mode``: torch.compile's
+    mode, with Inductor's meaning (torch.compile passes it alone, never with ``options``).
+    """
+    opts = Options.from_dict(options, mode)
     record = CompiledGraph(opts)
     record.graphs["dynamo"] = _readable(gm)
     result = run_passes(gm, example_inputs, opts)

@@ -113,8 +113,8 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
-        # from pulling waits up to their collectives.
-        patches = {"reorder_for_peak_memory": False} if opts.prefetch else {}
+        # from pulling waits up to their collectives (unless the user's Inductor settings say otherwise).
+        patches = {**({"reorder_for_peak_memory": False} if opts.prefetch else {}), **opts.inductor}
         ran: list[str] = []  # the stages compiled here; none when AOTAutograd loaded the graph from its cache
         compiled = compile_fx(gm, inputs, config_patches=patches,
                               inner_compile=_scheduled(opts, sink, buffers, taken, compiler=compile_fx_inner, ran=ran))
