@@ -43,7 +43,7 @@ per bucket per backward even if several graphs (graph breaks) use the bucket.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -77,8 +77,13 @@ def mark_unsharded(p: torch.Tensor) -> None:
 
 def buffers_of(module: nn.Module) -> list["DBuffer"]:
     """The DBuffers holding ``module``'s sharded parameters, in parameter order (a compiled module's too)."""
+    return buffers_of_parameters(module.parameters())
+
+
+def buffers_of_parameters(params: Iterable[torch.Tensor]) -> list["DBuffer"]:
+    """The DBuffers holding the sharded ones of ``params``, in their order."""
     found: dict[int, DBuffer] = {}
-    for p in module.parameters():
+    for p in params:
         if is_sharded(p):
             buf, _ = bucket_of(p)
             found.setdefault(id(buf), buf)

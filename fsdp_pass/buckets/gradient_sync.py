@@ -12,17 +12,17 @@ before sharding] in buckets/settings.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 from ..options import check_divide_factor
 from . import settings as bucket_settings
-from .dbuffer import DBuffer, buffers_of, is_unsharded
+from .dbuffer import DBuffer, buffers_of, buffers_of_parameters, is_unsharded
 from ..tensor.ragged_tensor import bucket_of, is_sharded
 
-__all__ = ["no_sync", "reduce_gradients", "set_gradient_divide_factor", "set_requires_gradient_sync"]
+__all__ = ["apply_to_buckets", "no_sync", "reduce_gradients", "set_gradient_divide_factor", "set_requires_gradient_sync"]
 
 
 def _buffers(model: nn.Module) -> list[DBuffer]:
@@ -46,23 +46,30 @@ def _refuse_inside_unshard(model: nn.Module) -> None:
         )
 
 
-def _targets(model: nn.Module, call: str) -> tuple[list[DBuffer], list[torch.Tensor]]:
-    """The buckets of ``model``'s sharded parameters, and its parameters the backend has not sharded yet."""
+def _targets(model: nn.Module, call: str, parameters: Iterable[torch.Tensor] | None = None
+             ) -> tuple[list[DBuffer], list[torch.Tensor]]:
+    """The buckets of ``model``'s sharded parameters (only of ``parameters`` when given), and those of
+    them the backend has not sharded yet."""
     _refuse_inside_unshard(model)
-    params = list(model.parameters())
+    params = list(model.parameters() if parameters is None else parameters)
     if not params:
         raise ValueError(f"{call}: {type(model).__name__} has no parameters")
-    return buffers_of(model), [p for p in params if not is_sharded(p)]
+    return buffers_of_parameters(params), [p for p in params if not is_sharded(p)]
 
 
-def _set(model: nn.Module, call: str, **setting) -> None:
-    buffers, waiting = _targets(model, call)
+def apply_to_buckets(model: nn.Module, call: str, parameters: Iterable[torch.Tensor] | None = None,
+                     **setting: Any) -> None:
+    """Give the buckets of ``model``'s parameters (only of ``parameters`` when given) a setting (a keyword of
+    :meth:`DBuffer.apply_settings`); parameters not sharded yet keep it for their bucket ([Note: settings
+    recorded before sharding]). ``call`` names the caller in messages."""
+    buffers, waiting = _targets(model, call, parameters)
     for buf in buffers:
         buf.apply_settings(**setting)
     bucket_settings.record(waiting, **setting)
 
 
-def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool, *,
+                               parameters: Iterable[torch.Tensor] | None = None) -> None:
     """Whether the compiled backward of ``model`` reduce-scatters gradients (True, the default).
 
     With False, each rank accumulates its unsharded gradient per bucket (one gathered-size buffer per
@@ -70,21 +77,24 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     reduce-scatters the sum once per bucket, so ``.grad`` holds what syncing every micro-batch
     gives. ``model`` is the compiled module or the original one, sharded or not yet (the backend
     shards at the first call and applies the setting then). Eager (uncompiled) calls keep
-    syncing their gradients at once.
+    syncing their gradients at once. ``parameters``: only these of ``model``'s parameters (FSDP2's
+    ``recurse=False``: a module's own).
     """
-    _set(model, "set_requires_gradient_sync", gradient_sync=bool(requires_gradient_sync))
+    apply_to_buckets(model, "set_requires_gradient_sync", parameters, gradient_sync=bool(requires_gradient_sync))
 
 
-def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
+def set_gradient_divide_factor(model: nn.Module, factor: float, *,
+                               parameters: Iterable[torch.Tensor] | None = None) -> None:
     """Divide ``model``'s gradients, summed over the data-parallel ranks, by ``factor`` (FSDP2's name).
 
     The default is the data-parallel degree (a mean, like DDP); ``1.0`` gives the sum, for a loss
     already divided by the global token count (torchtitan). Applies to compiled, eager, ``no_sync``
     and HSDP reductions. Set it before the first compiled call, or on a model not sharded yet; a
     graph compiled with another factor refuses to run. Also ``options={"gradient_divide_factor": f}``.
+    ``parameters``: only these of ``model``'s parameters (an FSDP2 module's own).
     """
     factor = check_divide_factor(factor, "set_gradient_divide_factor's factor")
-    _set(model, "set_gradient_divide_factor", gradient_divide_factor=factor)
+    apply_to_buckets(model, "set_gradient_divide_factor", parameters, gradient_divide_factor=factor)
 
 
 @contextlib.contextmanager

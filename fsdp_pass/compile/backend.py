@@ -48,6 +48,7 @@ from .. import log
 from ..options import Options
 from .passes.outline import Outlined
 from .passes.pipeline import compile_scheduled, run_passes
+from .passes.reshard_within_groups import reshard_setting
 from .passes.rewrite import Rewritten, copy_dynamo_graph, hand_out_gradients, take_prefetched
 from ..step import deferred_reduce, prefetch as step_prefetch, reduced_first
 from ..tensor import in_flight
@@ -176,6 +177,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         step_prefetch.enable()
     _remember(record)
 
+    compiled_reshard = reshard_setting(opts.reshard_after_forward, rewritten.buffers)
     binding = ShardBinding(rewritten.dropped, [s.param for s in result.sites], rewritten.buffers, rewritten.configs)
     eager_graph = gm  # Dynamo's own graph: parameters as inputs, run through the eager path
 
@@ -189,6 +191,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if in_flight.any_in_flight():  # nobody read last step's gradient: finish its reduce-scatter
             in_flight.settle_all()
         _check_divide_factors(buffers, rewritten.configs)
+        if torch.is_grad_enabled():  # an inference graph has no backward, for which the setting is
+            _check_reshard_after_forward(buffers, opts.reshard_after_forward, compiled_reshard)
         shards = [b.shard for b in buffers]
         rest_args = [a for i, a in enumerate(args) if i not in dropped]
         if trainable and torch.is_grad_enabled() and any(buffers[i].accumulating for i in trainable):
@@ -278,6 +282,18 @@ def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:
                 f"compiled graph divides by {config.grad_divisor}; call fsdp_pass.set_gradient_divide_factor before "
                 f"the first compiled call (or torch._dynamo.reset() to compile again)"
             )
+
+
+def _check_reshard_after_forward(buffers: list[DBuffer], option: bool | int, compiled: bool | int) -> None:
+    """A compiled graph reshards after forward as its buckets said when it compiled: refuse to train once
+    they say otherwise (``FSDPModule.set_reshard_after_forward`` after the first compiled call)."""
+    now = reshard_setting(option, buffers)
+    if now != compiled:
+        raise RuntimeError(
+            f"bucket {buffers[0].index} ({buffers[0].names[0]!r}, ...) now has reshard_after_forward={now!r}, but its "
+            f"compiled graph was made with {compiled!r}; call set_reshard_after_forward before the first compiled call "
+            f"(or torch._dynamo.reset() to compile again)"
+        )
 
 
 class VariantKey(NamedTuple):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,8 @@ __all__ = ["unshard"]
 
 
 @contextlib.contextmanager
-def unshard(module: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
+def unshard(module: nn.Module, writeback: bool = False, *,
+            parameters: Iterable[nn.Parameter] | None = None) -> Iterator[nn.Module]:
     """Gather every sharded parameter of ``module`` into its whole tensor for the ``with`` block.
 
     Inside the block each parameter object is a plain ``nn.Parameter`` holding the whole tensor:
@@ -36,8 +37,14 @@ def unshard(module: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
         with fsdp_pass.unshard(model):
             if rank == 0:
                 model.save_pretrained(out)    # or torch.save(model.state_dict(), path)
+
+    ``parameters``: gather only these of ``module``'s parameters (an FSDP2 module's own, for its
+    ``unshard()``).
     """
     named = list(module.named_parameters(remove_duplicate=True))
+    if parameters is not None:
+        chosen = {id(p) for p in parameters}
+        named = [(name, p) for name, p in named if id(p) in chosen]
     nested = [name for name, p in named if is_unsharded(p)]
     if nested:
         raise ValueError(

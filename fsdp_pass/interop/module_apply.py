@@ -29,7 +29,9 @@ a refused call changes nothing; torch's ``_apply`` reaches them below a plain pa
 ``OptimizedModule``, a framework's container) through ``child._apply``. Other modules keep torch's
 method. A module class's own ``_apply`` override runs inside, with the sharded parameters set aside.
 
-Why not FSDP2's class swap (a subclass per module class): the backend shards while Dynamo traces,
+Why not FSDP2's class swap (a subclass per module class; ``fully_shard`` makes one, before any
+compile, for FSDP2's methods: [Note: FSDP2's module class on a fully_shard-ed module], but its
+``_apply`` is torch's, which this attribute comes before): the backend shards while Dynamo traces,
 and Dynamo's guards, built after the backend returns, name class attributes by their place in the
 traced class's MRO (``type(m).__mro__[1].__dict__['_compiled_call_impl']``, Hugging Face's
 ``loss_function`` property): a class swapped in between breaks them, and one swapped after the

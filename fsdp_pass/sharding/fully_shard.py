@@ -12,6 +12,7 @@ from .blocks import block_size
 from ..options import Fp8Options, check_mp_dtype, check_reshard_after_forward, mp_policy_dtypes
 from .buckets import ShardingConfig, check_one_device
 from .fp8_select import plan_fp8
+from .fsdp_module import swap_to_fsdp_class
 from .materialize import shard_with_blocks
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh
@@ -111,4 +112,4 @@ def fully_shard(
     meta.run()
     if meta.left_on_meta:
         check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)
-    return module
+    return swap_to_fsdp_class(module)  # [Note: FSDP2's module class on a fully_shard-ed module]
