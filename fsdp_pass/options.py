@@ -9,7 +9,8 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_mp_dtype", "mp_policy_dtypes"]
+__all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_mp_dtype", "inductor_settings", "mp_policy_casts",
+           "mp_policy_dtypes"]
 
 
 def _switch_or_mapping(value: Any, parsed: type, refusal: str) -> Any:
@@ -125,6 +126,14 @@ def mp_policy_dtypes(mp_policy: Any) -> tuple[Any, Any]:
             raise ValueError(f"unknown mp_policy key(s) {sorted(extra)}; use param_dtype and reduce_dtype")
         return mp_policy.get("param_dtype"), mp_policy.get("reduce_dtype")
     return getattr(mp_policy, "param_dtype", None), getattr(mp_policy, "reduce_dtype", None)
+
+
+def mp_policy_casts(mp_policy: Any) -> tuple[Any, bool]:
+    """``(output_dtype, cast_forward_inputs)`` of an ``mp_policy``: a ``MixedPrecisionPolicy``'s fields (FSDP2's
+    defaults, None and True, for a mapping or None)."""
+    if mp_policy is None or isinstance(mp_policy, Mapping):
+        return None, True
+    return getattr(mp_policy, "output_dtype", None), bool(getattr(mp_policy, "cast_forward_inputs", True))
 
 
 def check_mp_dtype(dtype: Any, name: str) -> None:
@@ -251,7 +260,12 @@ class Options:
         if mode is not None:
             options["mode"] = mode
         options["inductor"] = inductor_settings(options.get("mode"), inductor)
-        options["param_dtype"], options["reduce_dtype"] = mp_policy_dtypes(options.pop("mp_policy", None))
+        policy = options.pop("mp_policy", None)
+        if mp_policy_casts(policy)[0] is not None:
+            raise ValueError("options['mp_policy'] has an output_dtype, which a compile option cannot apply (the "
+                             "compiled graph is the module's inside, not its call); give the policy to "
+                             "fsdp_pass.fully_shard(module, mp_policy=...), which casts the module's outputs")
+        options["param_dtype"], options["reduce_dtype"] = mp_policy_dtypes(policy)
         options["fp8_all_gather"] = Fp8Options.parse(options.get("fp8_all_gather"))
         options["quantized_reduce"] = QuantizedReduce.parse(options.get("quantized_reduce"))
         made = cls(**options)

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .blocks import block_size
-from ..options import Fp8Options, check_mp_dtype, check_reshard_after_forward, mp_policy_dtypes
+from ..options import Fp8Options, check_mp_dtype, check_reshard_after_forward, mp_policy_casts, mp_policy_dtypes
 from .buckets import ShardingConfig, check_one_device
 from .fp8_select import plan_fp8
-from .fsdp_module import swap_to_fsdp_class
+from .forward_casts import register_forward_casts
+from .fsdp_module import FSDPPassModule, swap_to_fsdp_class
+from .ignored import is_ignored, mark_ignored
 from .materialize import shard_with_blocks
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh
 from ..buckets.mesh import check_reshard_group_size
 from ..buckets.uninitialized import check_meta_buffers_before_forward
+from ..buckets.gradient_sync import apply_to_buckets
 from ..interop.module_apply import keep_shards_on_apply
 
 __all__ = ["fully_shard"]
@@ -35,8 +39,11 @@ def fully_shard(
     align_bytes: int = 16,
     fp8_all_gather: bool | Mapping[str, Any] | None = None,
     mp_policy: Any = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = True,
     init: str = "replay",
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    offload_policy: Any = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
@@ -73,26 +80,47 @@ def fully_shard(
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}`` or a
             ``torch.distributed.fsdp.MixedPrecisionPolicy``: the dtype the shards are gathered in (eager
             calls and compiled graphs) and the one compiled graphs reduce gradients in; master shards keep
-            their dtype. A compile's ``options["mp_policy"]`` overrides it for that graph.
+            their dtype. A compile's ``options["mp_policy"]`` overrides it for that graph. A policy's
+            ``cast_forward_inputs`` (default True) casts the module's floating-point inputs to
+            ``param_dtype`` and its ``output_dtype`` casts the outputs, as FSDP2's.
         reshard_after_forward: what compiled graphs over these parameters do after forward (FSDP2's
             meaning): True frees the gathered parameters, False keeps them, an int k keeps 1/k of each
             bucket per rank and gathers backward's parameters within groups of k consecutive ranks of
-            the shard dim (k divides it, 1 < k < its size). A compile's
-            ``options["reshard_after_forward"]``, when not True, overrides it for that graph.
+            the shard dim (k divides it, 1 < k < its size); None: False for the outermost
+            ``fully_shard``-ed module (the root), True for modules a later ``fully_shard`` encloses. A
+            compile's ``options["reshard_after_forward"]``, when not True, overrides it for that graph.
         init: for a meta-device model, ``"replay"`` (default) runs the model's own init into the
             shards as above; ``"skip"`` runs nothing, leaving every parameter and buffer to
             ``to_empty`` + the model's init (or a checkpoint).
+        ignored_params: parameters left whole and not reduced, as FSDP2's: neither this call nor the
+            backend shards them, and each rank keeps its own gradient ([Note: ignored parameters stay whole]).
+        offload_policy: FSDP2's ``OffloadPolicy()`` (no offload) is accepted; ``CPUOffloadPolicy`` is refused:
+            CPU offload is not supported yet.
+        shard_placement_fn: FSDP2's per-parameter placement: ``Shard(0)`` (rows never cut by a rank
+            boundary) becomes a block of one row of that parameter, None keeps fsdp_pass's default
+            blocks; other placements are refused.
+
+    Returns ``module``, its class swapped to ``FSDP<Cls>``, an ``FSDPModule`` with FSDP2's methods
+    ([Note: FSDP2's module class on a fully_shard-ed module] in sharding/fsdp_module.py).
     """
     if init not in ("replay", "skip"):
         raise ValueError(f"fully_shard's init must be 'replay' or 'skip', got {init!r}")
     param_dtype, reduce_dtype = mp_policy_dtypes(mp_policy)
     check_mp_dtype(param_dtype, "param_dtype")
     check_mp_dtype(reduce_dtype, "reduce_dtype")
+    auto_reshard = reshard_after_forward is None  # FSDP2's None: decided by whether a later call encloses it
+    if auto_reshard:
+        reshard_after_forward = False
     check_reshard_after_forward(reshard_after_forward, "fully_shard's reshard_after_forward")
-    named = list(module.named_parameters(remove_duplicate=True))
+    _check_offload_policy(offload_policy)
+    if ignored_params is not None:
+        mark_ignored(ignored_params)  # [Note: ignored parameters stay whole]
+    named = [(name, p) for name, p in module.named_parameters(remove_duplicate=True) if not is_ignored(p)]
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
                                  model_dims=model_mesh_dims(named))
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
+    if shard_placement_fn is not None:
+        blocks = {name: _placement_block(name, p, shard_placement_fn(p), blocks[name]) for name, p in named}
     fp8 = plan_fp8(named, Fp8Options.parse(fp8_all_gather, "fully_shard's fp8_all_gather"), "fully_shard's fp8_all_gather")
     if not isinstance(reshard_after_forward, bool):
         check_reshard_group_size(reshard_after_forward, sharding_mesh.shard_size, "fully_shard's reshard_after_forward")
@@ -112,4 +140,48 @@ def fully_shard(
     meta.run()
     if meta.left_on_meta:
         check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)
-    return swap_to_fsdp_class(module)  # [Note: FSDP2's module class on a fully_shard-ed module]
+    if not isinstance(module, FSDPPassModule):  # a second call on the same module adds no second hooks
+        register_forward_casts(module, param_dtype, *mp_policy_casts(mp_policy))
+    _enclose_auto_reshard(module)
+    swap_to_fsdp_class(module)  # [Note: FSDP2's module class on a fully_shard-ed module]
+    module.__dict__["_fsdp_pass_auto_reshard"] = auto_reshard  # reshard_after_forward=None, root so far
+    return module
+
+
+def _enclose_auto_reshard(module: nn.Module) -> None:
+    """FSDP2's ``reshard_after_forward=None``: a ``fully_shard``-ed module that this call encloses is no
+    root any more, so its buckets reshard after forward (True)."""
+    for inner in module.modules():
+        if inner is not module and isinstance(inner, FSDPPassModule) and inner.__dict__.get("_fsdp_pass_auto_reshard"):
+            apply_to_buckets(inner, "fully_shard", inner._own_parameters(), reshard_after_forward=True)
+            inner.__dict__["_fsdp_pass_auto_reshard"] = False
+
+
+def _check_offload_policy(offload_policy: Any) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"fully_shard's offload_policy={offload_policy!r}: CPU offload is not supported yet by fsdp_pass (shards, "
+            f"gradients and optimizer states stay on the mesh's device); drop offload_policy, or shard over more ranks "
+            f"to fit"
+        )
+    raise ValueError(f"fully_shard's offload_policy is {offload_policy!r}; use torch.distributed.fsdp.OffloadPolicy() "
+                     f"(no offload) or leave it unset")
+
+
+def _placement_block(name: str, param: torch.Tensor, placement: Any, block: int) -> int:
+    """The block (elements) of ``param`` under FSDP2's ``shard_placement_fn`` answer: ``Shard(0)`` never cuts a row."""
+    from torch.distributed.tensor import Shard
+
+    if placement is None:
+        return block
+    if isinstance(placement, Shard) and param.dim() > 0 and placement.dim % param.dim() == 0:
+        return math.lcm(block, math.prod(param.shape[1:]))
+    raise ValueError(
+        f"shard_placement_fn returned {placement!r} for parameter {name!r} of shape {tuple(param.shape)}; fsdp_pass "
+        f"shards flat ranges whose blocks never cross a rank boundary, so it maps only Shard(0) (whole rows) or None "
+        f"(its default); for other structures give block_sizes={{{name!r}: {{'elements': n}}}}"
+    )

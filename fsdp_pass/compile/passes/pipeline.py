@@ -27,6 +27,7 @@ from ...options import Options
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
+from ...sharding.ignored import is_ignored
 from ..shared_cache import cache_compiled_graphs, compile_in_turn
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
@@ -72,7 +73,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
     parameters' modules cannot be resolved ([Note: parameters known by identity] in passes/detect.py).
     """
     t0 = time.perf_counter()
-    sites = find_parameters(gm, example_inputs, names)
+    sites = [s for s in find_parameters(gm, example_inputs, names) if not is_ignored(s.param)]  # [Note: ignored parameters stay whole]
     if not sites:
         return None
     _check_static_shapes_with_dtensor_parameters(sites, example_inputs)
