@@ -62,6 +62,14 @@ def hf_case(compiler: str, steps: int = 10, layers: int = 2) -> Case:
                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
 
 
+def _compile_with_mode(mode: str):
+    """torch.compile(model, backend="vescale", mode=mode), as users write it: torch.compile takes no options with a mode."""
+    def prepare(model, options):
+        assert not options, f"torch.compile refuses mode= with options= ({options})"
+        return torch.compile(model, backend="vescale", mode=mode)
+    return prepare
+
+
 def _run_cases(rank: int, world: int, names: list[str], mesh_shape=None, hsdp_names: tuple[str, ...] = ()) -> None:
     """``names`` on ``mesh_shape`` (None: all ranks flat), then ``hsdp_names`` on a 2x2 mesh in the same processes."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -89,6 +97,11 @@ def _all_cases() -> list[Case]:
         llama_case("aot_eager", experts=4),
         hf_case("aot_eager"),
         hf_case("inductor", steps=5, layers=1),
+        # torch.compile's conventions: a mode with Inductor's meaning, and an Inductor key next to fsdp_pass's.
+        Case("mlp/inductor/mode=max-autotune-no-cudagraphs", lambda: MLP(), _mlp_batch, _mse, steps=5,
+             prepare=_compile_with_mode("max-autotune-no-cudagraphs"), tolerance=TOLERANCE),
+        Case("mlp/inductor/epilogue_fusion=False", lambda: MLP(), _mlp_batch, _mse, steps=5,
+             options={"compiler": "inductor", "prefetch": 1, "epilogue_fusion": False}, tolerance=TOLERANCE),
     ]
 
 
