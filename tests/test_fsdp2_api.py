@@ -154,3 +154,22 @@ def test_offload_policy_and_shard_placement_fn():
         assert spec.block == (p.shape[1] if p.dim() == 2 else 1), name  # Shard(0): one row a block
     with pytest.raises(ValueError, match=r"shard_placement_fn returned Shard\(dim=1\) for parameter 'layers.0.weight'"):
         fsdp_pass.fully_shard(MLP(), shard_placement_fn=lambda p: Shard(1))
+
+
+def test_dp_mesh_dims_and_module_lists():
+    """FSDP2's dp_mesh_dims names the same dims as shard_dim / replicate_dim (a fake 2x2 group: planning only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdp_pass.testing.fake_pg import fake_process_group
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))
+        by_dims = fsdp_pass.fully_shard(MLP(), mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="rep"))
+        by_names = fsdp_pass.fully_shard(MLP(), mesh, shard_dim="dp", replicate_dim="rep")
+        assert [b.mesh for b in buffers_of(by_dims)] == [b.mesh for b in buffers_of(by_names)]
+        assert buffers_of(by_dims)[0].mesh.shard_size == 2
+        with pytest.raises(ValueError, match="got dp_mesh_dims and shard_dim/replicate_dim"):
+            fsdp_pass.fully_shard(MLP(), mesh, shard_dim="dp", dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    with pytest.raises(TypeError, match="fully_shard of a list of modules"):
+        fsdp_pass.fully_shard([MLP(), MLP()])

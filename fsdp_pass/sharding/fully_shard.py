@@ -44,6 +44,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: Any = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
@@ -99,10 +100,18 @@ def fully_shard(
         shard_placement_fn: FSDP2's per-parameter placement: ``Shard(0)`` (rows never cut by a rank
             boundary) becomes a block of one row of that parameter, None keeps fsdp_pass's default
             blocks; other placements are refused.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims(shard=..., replicate=...)`` on a named mesh: the same as
+            ``shard_dim`` and ``replicate_dim``.
 
     Returns ``module``, its class swapped to ``FSDP<Cls>``, an ``FSDPModule`` with FSDP2's methods
     ([Note: FSDP2's module class on a fully_shard-ed module] in sharding/fsdp_module.py).
     """
+    if isinstance(module, (list, tuple)):
+        raise TypeError("fully_shard of a list of modules (FSDP2's one communication group for several modules) is "
+                        "not supported: fsdp_pass buckets parameters by module unit itself; call fully_shard on their "
+                        "common parent")
+    if dp_mesh_dims is not None:
+        shard_dim, replicate_dim = _dp_mesh_dims(dp_mesh_dims, shard_dim, replicate_dim)
     if init not in ("replay", "skip"):
         raise ValueError(f"fully_shard's init must be 'replay' or 'skip', got {init!r}")
     param_dtype, reduce_dtype = mp_policy_dtypes(mp_policy)
@@ -155,6 +164,16 @@ def _enclose_auto_reshard(module: nn.Module) -> None:
         if inner is not module and isinstance(inner, FSDPPassModule) and inner.__dict__.get("_fsdp_pass_auto_reshard"):
             apply_to_buckets(inner, "fully_shard", inner._own_parameters(), reshard_after_forward=True)
             inner.__dict__["_fsdp_pass_auto_reshard"] = False
+
+
+def _dp_mesh_dims(dims: Any, shard_dim: Any, replicate_dim: Any) -> tuple[Any, Any]:
+    """``(shard_dim, replicate_dim)`` from FSDP2's ``DataParallelMeshDims``."""
+    if shard_dim is not None or replicate_dim is not None:
+        raise ValueError("fully_shard got dp_mesh_dims and shard_dim/replicate_dim; give the data-parallel dims once")
+    if dims.shard is None or isinstance(dims.replicate, tuple):
+        raise ValueError(f"fully_shard's dp_mesh_dims is {dims!r}; fsdp_pass needs a shard dim (a name or a tuple of "
+                         f"names) and at most one replicate dim name")
+    return dims.shard, dims.replicate
 
 
 def _check_offload_policy(offload_policy: Any) -> None:
