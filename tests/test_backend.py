@@ -332,3 +332,41 @@ def _gradient_lifetime_worker(rank: int, world: int) -> None:
 
 def test_zero_grad_frees_the_gradient_shard_at_once_and_between_forward_and_backward():
     run_distributed(_gradient_lifetime_worker, 2)
+
+
+def test_inductor_keys_reach_inductor():
+    """An Inductor key in options changes the code Inductor generates (size_asserts: the input checks)."""
+    codes = {}
+    for size_asserts in (True, False):
+        torch._dynamo.reset()
+        before = set(map(id, records()))
+        model = nn.Linear(3, 2)
+        torch.compile(model, backend="vescale", options={"size_asserts": size_asserts})(torch.randn(4, 3)).sum().backward()
+        (record,) = [r for r in records() if id(r) not in before]
+        codes[size_asserts] = record.graphs["forward (inductor code)"]
+    assert "assert_size_stride(" in codes[True] and "assert_size_stride(" not in codes[False]
+
+
+def test_modes_and_inductor_keys_are_checked_as_torch_compile_checks_them():
+    from torch._inductor import list_mode_options
+
+    from fsdp_pass.options import Options
+
+    assert Options.from_dict(None, "max-autotune-no-cudagraphs").inductor == list_mode_options("max-autotune-no-cudagraphs")
+    mixed = Options.from_dict({"mode": "max-autotune-no-cudagraphs", "max_autotune": False, "prefetch": 2})
+    assert mixed.prefetch == 2 and mixed.inductor["max_autotune"] is False  # explicit keys over the mode's, as torch's
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match=rf"mode='{mode}' turns on Inductor's CUDA graphs.*max-autotune-no-cudagraphs"):
+            Options.from_dict(None, mode)
+    with pytest.raises(ValueError, match=r"options\['triton.cudagraphs'\] turns on Inductor's CUDA graphs"):
+        Options.from_dict({"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match=r"closest fsdp_pass options: none, closest Inductor keys: \['epilogue_fusion'"):
+        Options.from_dict({"epilog_fusion": False})
+    with pytest.raises(ValueError, match=r"closest fsdp_pass options: \['prefetch'\]"):
+        Options.from_dict({"prefech": 1})
+    with pytest.raises(ValueError, match="Inductor option 'epilogue_fusion' takes a bool"):
+        Options.from_dict({"epilogue_fusion": 1})
+    with pytest.raises(ValueError, match="have no effect with options\\['compiler'\\]='aot_eager'"):
+        Options.from_dict({"compiler": "aot_eager", "epilogue_fusion": False})
+    with pytest.raises(ValueError, match="is not a torch.compile mode"):
+        Options.from_dict(None, "fastest")

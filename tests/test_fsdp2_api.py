@@ -173,3 +173,16 @@ def test_dp_mesh_dims_and_module_lists():
             fsdp_pass.fully_shard(MLP(), mesh, shard_dim="dp", dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     with pytest.raises(TypeError, match="fully_shard of a list of modules"):
         fsdp_pass.fully_shard([MLP(), MLP()])
+
+
+def test_reshard_after_forward_changed_after_the_compile_refuses_to_train():
+    model = fsdp_pass.fully_shard(MLP())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="vescale", options={"compiler": "aot_eager"})
+    compiled(torch.randn(2, 19)).sum().backward()
+    model.set_reshard_after_forward(False)
+    with torch.no_grad():
+        compiled(torch.randn(2, 19))  # no backward: the setting has nothing to change
+    with pytest.raises(Exception, match=r"now has reshard_after_forward=False, but its compiled graph was made with True"):
+        compiled(torch.randn(2, 19))
+
