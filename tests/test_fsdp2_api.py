@@ -186,3 +186,25 @@ def test_reshard_after_forward_changed_after_the_compile_refuses_to_train():
     with pytest.raises(Exception, match=r"now has reshard_after_forward=False, but its compiled graph was made with True"):
         compiled(torch.randn(2, 19))
 
+
+
+def test_frameworks_take_their_fsdp2_path_on_a_fully_shard_module():
+    """isinstance(m, FSDPModule) holds, so the frameworks' own FSDP2 code runs on the module and calls its methods."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+    model = _nested()
+    buckets = buffers_of(model)
+    with _FSDPNoSync(model, enabled=True):  # Lightning: set_requires_gradient_sync(flag, recurse=False) per FSDPModule
+        assert not any(b.gradient_sync for b in buckets)
+    assert all(b.gradient_sync for b in buckets)
+    model.set_gradient_divide_factor(4.0)
+    model.layers[0].set_gradient_divide_factor(4.0)
+    disable_fsdp_gradient_division(model)  # torchtitan: set_gradient_divide_factor(1.0) per FSDPModule
+    assert all(b.grad_divisor == 1.0 for b in buckets)
+    assert fsdp2_prepare_model(None, model) is model  # accelerate's FSDP2 path leaves an FSDPModule as it is
+    for module in model.modules():  # transformers' Trainer before it builds the optimizer
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    assert all(is_sharded(p) for p in model.parameters())
