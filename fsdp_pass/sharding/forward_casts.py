@@ -3,8 +3,10 @@
 As FSDP2 does it, per module given to ``fully_shard``: a forward pre-hook casts the floating-point
 tensors among the forward's arguments to ``param_dtype`` (when ``cast_forward_inputs`` and a
 ``param_dtype`` are set), a forward hook casts the floating-point tensors of its output to
-``output_dtype`` (when set). Module hooks run in eager calls and are traced into compiled graphs by
-Dynamo alike. The hooks are partials of module-level functions, so the module still pickles.
+``output_dtype`` (when set). They run in eager calls; under ``torch.compile(module)`` torch 2.13
+compiles the pre-hook as a frame of its own (a graph without parameters, next to the forward's
+graph), and inside a compiled parent Dynamo traces them into the parent's graph. The hooks are
+partials of module-level functions, so the module still pickles.
 """
 
 from __future__ import annotations
