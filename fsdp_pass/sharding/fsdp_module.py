@@ -26,8 +26,9 @@ the fix. The swap happens in ``fully_shard``, before any compile; the backend's 
 swaps nothing ([Note: Module._apply on sharded parameters] says why).
 
 Pickle and ``copy.deepcopy`` rebuild the swapped class from the original one (``__reduce_ex__``):
-torch's FSDP2 refuses deepcopy, but a sharded fsdp_pass module copies (its parameters do); the
-class adds no state, so state-dict keys are the module's own.
+torch's FSDP2 refuses deepcopy, but a sharded fsdp_pass module copies (its parameters do; pickling
+one still fails on its RaggedShard parameters, a rank's piece, not on the class). The class adds no
+state, so state-dict keys are the module's own.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..buckets.gradient_sync import apply_to_buckets, set_gradient_divide_factor, set_requires_gradient_sync
 from ..eager.unshard import unshard as unshard_parameters
-from ..options import check_reshard_after_forward
 
 __all__ = ["FSDPPassModule", "UnshardHandle", "swap_to_fsdp_class"]
 
@@ -90,7 +90,6 @@ class FSDPPassModule(FSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward takes a bool (FSDP2's meaning), got {reshard_after_forward!r}; "
                              f"for a group size k use fsdp_pass.fully_shard(..., reshard_after_forward=k)")
-        check_reshard_after_forward(reshard_after_forward, "set_reshard_after_forward's reshard_after_forward")
         apply_to_buckets(self, "set_reshard_after_forward", self._chosen(recurse),
                          reshard_after_forward=reshard_after_forward)
 
@@ -167,7 +166,7 @@ class FSDPPassModule(FSDPModule):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The swapped class is made at run time, so pickle cannot name it: rebuild it from the original class.
-        rebuild, args, *rest = super().__reduce_ex__(protocol)
+        rebuild, args, *rest = super().__reduce_ex__(max(protocol, 2))  # (copyreg.__newobj__, (cls, ...), state, ...)
         return (_new_swapped, (_original_class(type(self)), *args[1:]), *rest)
 
 
