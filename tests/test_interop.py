@@ -122,10 +122,12 @@ def test_sharded_modules_keep_their_classes_and_copies_keep_their_shards():
     model = MLP()
     model.act = nn.ReLU()  # holds no parameter: keeps torch's method
     fsdp_pass.fully_shard(model)
-    assert type(model) is MLP and type(model.layers[0]) is nn.Linear
+    # the sharded module's class is swapped for FSDP2's FSDP<Cls> (sharding/fsdp_module.py); its children keep theirs
+    assert type(model).__name__ == "FSDPMLP" and type(model).__bases__[-1] is MLP and type(model.layers[0]) is nn.Linear
     assert "_apply" in vars(model) and "_apply" in vars(model.layers) and "_apply" not in vars(model.act)
     loaded = pickle.loads(pickle.dumps(model))
-    assert type(loaded) is MLP and loaded.layers[1]._apply._module() is loaded.layers[1]
+    assert type(loaded).__name__ == "FSDPMLP" and isinstance(loaded, MLP)
+    assert loaded.layers[1]._apply._module() is loaded.layers[1]
     copied = copy.deepcopy(model)
     assert copied.layers[0]._apply._module() is copied.layers[0]
     with pytest.raises(TypeError, match="mp_policy"):
