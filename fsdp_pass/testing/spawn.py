@@ -16,13 +16,16 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .inductor_cache import compile_each_graph_once
+
+if TYPE_CHECKING:
+    from .node_lab import NodeLab
 
 __all__ = ["RankFailed", "free_port", "run_distributed", "set_launcher_env"]
 
@@ -56,7 +59,11 @@ class RankFailed(AssertionError):
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, conn: Connection,
-            pg_timeout: float, backend: str | None, pin_cores: bool, nice: int) -> None:
+            pg_timeout: float, backend: str | None, pin_cores: bool, nice: int, lab: "NodeLab | None") -> None:
+    if lab is not None:  # first: before any thread or socket ([Note: a node lab])
+        lab.enter(rank * lab.nodes // world_size)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size // lab.nodes)
+        os.environ["GROUP_RANK"] = str(rank * lab.nodes // world_size)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     compile_each_graph_once()  # [Note: one Inductor compile per graph across ranks]
@@ -123,7 +130,7 @@ def _supervise(procs: list, conns: list[Connection], timeout: float) -> list[Any
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
                     pg_timeout: float = 60, backend: str | None = "gloo", pin_cores: bool = False,
-                    nice: int = 0) -> list[Any]:
+                    nice: int = 0, lab: "NodeLab | None" = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return each rank's result.
 
     ``fn`` must be a module-level function and its arguments and return value picklable (they cross
@@ -131,20 +138,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     collectives time out after ``pg_timeout`` seconds; ``pin_cores`` pins rank ``r`` to the ``r``-th
     core this process may use (round robin); ``nice`` adds to each rank's scheduling niceness (negative:
     ahead of other work on shared cores, for timing; needs the privilege to raise priority).
-    ``timeout`` bounds the whole run.
+    ``timeout`` bounds the whole run. With a node ``lab`` ([Note: a node lab]) the ranks are split over
+    its nodes in consecutive blocks (``world_size`` a multiple of ``lab.nodes``), each rank runs in its
+    node's namespace and sees ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as ``torchrun`` sets them.
 
     Raises :class:`RankFailed` (an ``AssertionError``) with the rank's traceback as soon as one rank
     raises or exits with a non-zero code, and ``TimeoutError`` if ranks are still running at the
     deadline; either way the remaining ranks are killed. A rank that exits with code 0 without
     returning (``os._exit(0)``) counts as passed, with result ``None``.
     """
+    if lab is not None and world_size % lab.nodes:
+        raise ValueError(f"world_size={world_size} ranks do not split evenly over the lab's {lab.nodes} nodes")
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
         procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores, nice))
+                        args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores, nice,
+                                                  lab))
             for r in range(world_size)
         ]
         try:
