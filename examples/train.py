@@ -249,10 +249,21 @@ def setup(args) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
+def ranks_per_node(d: Dist) -> int:
+    """The processes on this rank's node, as the launcher reports them (torchrun's LOCAL_WORLD_SIZE)."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        raise SystemExit("--mesh node / --reshard-within-node: launch with torchrun, which says how many processes "
+                         "run on each node (LOCAL_WORLD_SIZE)")
+    return int(os.environ["LOCAL_WORLD_SIZE"])
+
+
 def make_mesh(spec: str | None, d: Dist):
-    """``None`` → all ranks (1-D); ``"4"`` → 1-D; ``"2x2"`` → (replicate, shard) for HSDP."""
+    """``None`` → all ranks (1-D); ``"4"`` → 1-D; ``"2x2"`` → (replicate, shard) for HSDP; ``"node"`` → HSDP
+    sharded within each node and replicated across nodes, by the launcher's processes per node."""
     if spec is None:
         return init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("shard",)) if d.on else None
+    if spec == "node":
+        spec = f"{d.world // ranks_per_node(d)}x{ranks_per_node(d)}"
     try:
         shape = tuple(int(s) for s in spec.lower().split("x"))
     except ValueError:
@@ -327,10 +338,14 @@ def parse_args(argv=None):
     t.add_argument("--eval-batches", type=int, default=4, help="fixed held-out global batches per evaluation")
     t.add_argument("--max-data-bytes", type=int, default=None, help="use only the first N training bytes")
     s = p.add_argument_group("sharding and compilation")
-    s.add_argument("--mesh", default=None, help="ranks per mesh dim: 4 (FSDP) or 2x2 (HSDP: replicate x shard)")
+    s.add_argument("--mesh", default=None, help="ranks per mesh dim: 4 (FSDP) or 2x2 (HSDP: replicate x shard); "
+                   "node: HSDP, sharded within each node and replicated across nodes (torchrun's LOCAL_WORLD_SIZE)")
     s.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
                    help="what compiles the sharded graphs (see below)")
     s.add_argument("--no-reshard", action="store_true", help="keep gathered parameters from forward to backward")
+    s.add_argument("--reshard-within-node", action="store_true",
+                   help="after forward keep 1/k of each bucket, k the processes per node (torchrun's LOCAL_WORLD_SIZE): "
+                   "backward gathers within the node, not across nodes (reshard_after_forward=k)")
     s.add_argument("--mp", choices=("none", "bf16"), default="none",
                    help="bf16: gather and compute in bf16, reduce gradients in fp32")
     s.add_argument("--bucket-size", type=int, default=None, help="most elements per communication bucket")
@@ -443,7 +458,10 @@ def main(argv=None) -> dict:
     opts = build_optimizers(model, args)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: lr_at(step, args)) for o in opts]
 
-    options = {"compiler": args.compiler, "reshard_after_forward": not args.no_reshard}
+    reshard = not args.no_reshard
+    if args.reshard_within_node and ranks_per_node(d) < d.world:  # on one node, within the node is True
+        reshard = ranks_per_node(d)
+    options = {"compiler": args.compiler, "reshard_after_forward": reshard}
     if mesh is not None:
         options["mesh"] = mesh
     if args.mp == "bf16":
@@ -458,7 +476,7 @@ def main(argv=None) -> dict:
 
     mesh_text = "none (1 process)" if mesh is None else "x".join(map(str, mesh.shape)) + f" {mesh.mesh_dim_names}"
     log(f"fsdp_pass example: {d.world} rank(s) on {d.device.type}, mesh {mesh_text}, compiler {args.compiler}, "
-        f"mp {args.mp}, reshard_after_forward {not args.no_reshard}")
+        f"mp {args.mp}, reshard_after_forward {reshard}")
     log(f"model: llama dim {cfg.dim} layers {cfg.layers} heads {cfg.heads}/{cfg.kv_heads} ffn {cfg.ffn} "
         f"seq {cfg.seq} vocab {cfg.vocab}: {n_params:,} parameters")
     log(f"data: {data_info['train_files']} train / {data_info['held_out_files']} held-out stdlib files "
@@ -521,6 +539,7 @@ def main(argv=None) -> dict:
     result = {
         "world_size": d.world,
         "mesh": None if mesh is None else list(mesh.shape),
+        "reshard_after_forward": reshard,
         "compiler": args.compiler,
         "steps": args.steps,
         "first_loss": losses[0],

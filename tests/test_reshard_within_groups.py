@@ -9,12 +9,14 @@ tests/test_compile_parity.py, test_fp8_all_gather.py and test_eager.py check.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 
 import fsdp_pass
 from fsdp_pass.buckets.dbuffer import buffers_of
+from fsdp_pass.buckets.mesh import _make_node_groups
 from fsdp_pass.compile.backend import records
 from fsdp_pass.options import Options
 from fsdp_pass.testing.checkpoints import load_and_compare, whole_state
@@ -71,6 +73,18 @@ def _cases(rank: int, world: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
+
+    # node-local groups follow the launcher's nodes ([Note: node-local groups follow the launcher's nodes]):
+    # nodes {0, 2} and {1, 3} refuse groups of consecutive ranks; nodes {0, 1} and {2, 3} give them
+    os.environ["GROUP_RANK"] = str(rank % K)
+    try:
+        with pytest.raises(ValueError, match=r"group of ranks \[0, 1\], but the launcher placed them on nodes \[0, 1\] "
+                                             r"\(ranks by node: \{0: \[0, 2\], 1: \[1, 3\]\}\).*LOCAL_WORLD_SIZE"):
+            _make_node_groups(mesh, 0, K)
+        os.environ["GROUP_RANK"] = str(rank // K)
+        assert _make_node_groups(mesh, 0, K).index == rank % K
+    finally:
+        del os.environ["GROUP_RANK"]
 
     # bitwise the True run: the whole model compiled; blocks compiled one by one (fully_shard's setting)
     # with mixed precision, FP8 gathers and no_sync

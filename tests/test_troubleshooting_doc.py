@@ -6,9 +6,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The test kit's reference models and process harness raise for tests and benchmarks, not for users
-# (fake_pg stays checked: the command line uses it).
-NOT_USER_FACING = {"fsdp_pass/testing/models.py", "fsdp_pass/testing/spawn.py"}
+# The test kit's reference models, process harness and node lab raise for tests and benchmarks, not for
+# users (fake_pg stays checked: the command line uses it).
+NOT_USER_FACING = {"fsdp_pass/testing/models.py", "fsdp_pass/testing/spawn.py", "fsdp_pass/testing/node_lab.py"}
 
 
 def _message_fragments(node: ast.Raise) -> list[str]:

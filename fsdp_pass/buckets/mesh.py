@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .launcher_nodes import check_groups_within_nodes
+
 __all__ = ["NodeGroup", "ShardingMesh", "check_mesh_is_current", "check_reshard_group_size"]
 
 
@@ -130,14 +132,15 @@ def _make_node_groups(mesh: DeviceMesh, shard_dim: int, size: int) -> NodeGroup:
     # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
     timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
     rows = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
+    groups = [row[start:start + size] for row in rows for start in range(0, len(row), size)]
+    # [Note: node-local groups follow the launcher's nodes]
+    check_groups_within_nodes(groups, "reshard_after_forward")
     me = dist.get_rank()
     mine = None
-    for row in rows:
-        for start in range(0, len(row), size):
-            ranks = row[start:start + size]
-            group = dist.new_group(ranks, timeout=timeout)
-            if me in ranks:
-                mine = NodeGroup(size, ranks.index(me), group.group_name)
+    for ranks in groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if me in ranks:
+            mine = NodeGroup(size, ranks.index(me), group.group_name)
     return mine
 
 

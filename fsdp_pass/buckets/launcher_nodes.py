@@ -1,0 +1,61 @@
+"""Which node each rank runs on, as the launcher reports it: what node-local groups must follow.
+
+[Note: node-local groups follow the launcher's nodes]
+``reshard_after_forward=k`` gathers backward's parameters within groups of k consecutive shard-dim
+ranks, meant to be the ranks of one node, whose links are fast. Consecutive ranks are one node only
+when the launcher numbers them so: ``torchrun`` gives node ``GROUP_RANK`` the ranks
+``[GROUP_RANK · LOCAL_WORLD_SIZE, …)`` when every node runs the same number of processes, but another
+launcher, uneven nodes or a mesh built over a permuted rank list break that. So the groups are
+checked against where the ranks are: when the launcher set ``GROUP_RANK`` (torchrun, and Slurm's
+``SLURM_NODEID`` under srun), every rank shares its node number once (one small all-gather when the
+groups are made, every rank alike; a launcher sets it on all its processes), and a group that spans nodes is refused with the node layout and
+the fix. Without a launcher's node number (one process, a local spawn) nothing is known, and the
+groups stay consecutive ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+__all__ = ["check_groups_within_nodes", "node_of_each_rank"]
+
+_NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID")  # the node number torchrun / Slurm's srun give each process
+
+
+def _my_node() -> int | None:
+    for name in _NODE_VARIABLES:
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def node_of_each_rank() -> list[int] | None:
+    """Every global rank's node number from the launcher, or None when it gave none. Collective over the
+    default group when it did (a launcher sets the variables on all its processes alike)."""
+    mine = _my_node()
+    if mine is None or not dist.is_initialized():
+        return None
+    nodes: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, mine)
+    return None if any(n is None for n in nodes) else nodes
+
+
+def check_groups_within_nodes(groups: list[list[int]], argument: str) -> None:
+    """Raise unless each group of global ranks runs on one node, as far as the launcher says
+    ([Note: node-local groups follow the launcher's nodes]). Collective: every rank calls it alike."""
+    nodes = node_of_each_rank()
+    if nodes is None:
+        return
+    for ranks in groups:
+        spans = sorted({nodes[r] for r in ranks})
+        if len(spans) > 1:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+            layout = {n: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
+            raise ValueError(
+                f"{argument}={len(ranks)} makes the node-local group of ranks {ranks}, but the launcher placed them "
+                f"on nodes {spans} (ranks by node: {layout}); backward's gathers would cross nodes. Use the number "
+                f"of processes per node (LOCAL_WORLD_SIZE={local}) or a divisor of it, and launch with the same "
+                f"number of processes on every node so that each node's ranks are consecutive"
+            )
