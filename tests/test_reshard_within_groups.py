@@ -48,20 +48,31 @@ def _train(rank: int, world: int, setting, mesh, *, per_block: bool = False, mic
         run = model
     else:
         run = torch.compile(model, backend="vescale", options={**options, **sharding, "reshard_after_forward": setting})
-    losses = []
+    losses, saved = [], {}
     for step in range(STEPS):
+        saved.clear()  # the last step's
         tokens, _ = _batch(step)
         mine = tokens.chunk(world)[rank]
         for i, part in enumerate(mine.chunk(micro)):
             last = i == micro - 1
             sync = contextlib.nullcontext() if last or step == 0 else fsdp_pass.no_sync(run)
-            with sync:
+            with sync, torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
                 loss = lm_loss(run(part), part) / micro
-                loss.backward()
+            loss.backward()
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    return losses, whole_state(model, opt), model, opt
+    shards = {b.shard.untyped_storage().data_ptr() for b in buffers_of(model)}
+    saved_beyond_shards = sum(n for ptr, n in saved.items() if ptr not in shards)
+    return losses, whole_state(model, opt), model, opt, saved_beyond_shards
+
+
+def _recorder(saved: dict[int, int]):
+    """A saved-tensor pack hook recording each storage saved for backward: data pointer -> bytes."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    return pack
 
 
 def _backward_gathers(record) -> list[str]:
@@ -94,8 +105,8 @@ def _cases(rank: int, world: int, tmp: str) -> None:
                                        "mp_policy": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
     }
     for name, kwargs in variants.items():
-        exact_losses, exact, *_ = _train(rank, world, True, mesh, **kwargs)
-        losses, state, model, opt = _train(rank, world, K, mesh, **kwargs)
+        exact_losses, exact, _, _, saved_true = _train(rank, world, True, mesh, **kwargs)
+        losses, state, model, opt, saved_k = _train(rank, world, K, mesh, **kwargs)
         assert losses == exact_losses, f"{name}: losses {losses} != {exact_losses}"
         for key, tensor in exact.items():
             assert torch.equal(state[key], tensor), f"{name}: {key} differs from reshard_after_forward=True"
@@ -104,6 +115,14 @@ def _cases(rank: int, world: int, tmp: str) -> None:
         assert all(f", {K}, " in line for line in gathers), f"{name}: a backward all-gather spans more than {K} ranks"
         if kwargs.get("per_block"):
             assert all(b.reshard_after_forward == K for b in buffers_of(model)), "fully_shard's setting was not kept"
+        if name == "plain":
+            # memory: saved for backward beyond the parameter shards, True keeps activations (and the last
+            # bucket, gathered into backward); k keeps 1/k of every other bucket on top, nothing more
+            bucket_bytes = [b.layout.shard_size * world * b.shard.element_size() for b in buffers_of(model)]
+            resharded = sum(bucket_bytes) - bucket_bytes[-1]
+            assert len(bucket_bytes) > 1 and saved_k - saved_true == resharded // K, (
+                f"k={K} saved {saved_k - saved_true} bytes more than True; 1/{K} of the resharded buckets is "
+                f"{resharded // K} (buckets {bucket_bytes})")
         if name == "plain":  # checkpoints: the shards are the usual ones, DCP reshards them as ever
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
