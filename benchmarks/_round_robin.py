@@ -28,6 +28,7 @@ import gc
 import math
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,16 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
     """One rank: build and warm up every system of ``tags`` on the model ``args["cfg"]``, then ``args["rounds"]`` rounds of
     ``args["steps"]`` timed steps each (after one untimed). Returns, per tag, each round's step
     times (this rank's), the first step's time (compiles included), the losses of every step, notes."""
+    runs, out = build(rank, world, tags, args)
+    rounds(runs, out, args, args["warmup"])
+    for tag, run in runs.items():
+        out[tag]["losses"] = run.losses
+    return out
+
+
+def build(rank: int, world: int, tags: list[str], args: dict) -> tuple[dict[str, Training], dict[str, dict]]:
+    """Every system of ``tags`` built and warmed up (``args["warmup"]`` steps) one after another: tag -> its
+    training, and tag -> what is recorded about it (``compile_s``, ``notes``, ``params``, an empty ``rounds``)."""
     # Every system compiles the same forward functions (Llama.forward, ...): one cache entry each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(tags))
     cfg = args["cfg"]
@@ -63,7 +74,15 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
         runs[tag].quiesce()
         out[tag] = {"compile_s": compile_s, "rounds": [], "notes": runs[tag].notes,
                     "params": sum(p.numel() for p in model.parameters())}
-    index = args["warmup"]  # every system trains on the same batches, in the same order
+    return runs, out
+
+
+def rounds(runs: dict[str, Training], out: dict[str, dict], args: dict, index: int,
+           meter: Callable[[], float] | None = None) -> int:
+    """``args["rounds"]`` rounds over ``runs`` from batch ``index`` on, appending each slice's step times to
+    ``out[tag]["rounds"]`` (and, with a ``meter``, what it counted over the timed steps to
+    ``out[tag]["metered"]``); returns the next batch index."""
+    tags = list(runs)
     for r in range(args["rounds"]):
         order = tags[r % len(tags):] + tags[:r % len(tags)]
         for tag in order:
@@ -72,18 +91,20 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
             gc.collect()  # no collector pass inside a timed step (see the note)
             gc.disable()
             barrier()
+            before = meter() if meter else 0.0
             times = []
             for k in range(args["steps"]):
                 t0 = time.perf_counter()
                 runs[tag].step(index + 1 + k)
                 times.append(time.perf_counter() - t0)
             gc.enable()
+            if meter:
+                barrier()  # every rank's steps are done: the meter counts them all
+                out[tag].setdefault("metered", []).append(meter() - before)
             runs[tag].quiesce()
             out[tag]["rounds"].append(times)
         index += 1 + args["steps"]
-    for tag, run in runs.items():
-        out[tag]["losses"] = run.losses
-    return out
+    return index
 
 
 def round_times(ranks: list[dict], tag: str) -> list[float]:

@@ -27,6 +27,7 @@ class System:
     inductor: bool = False  # some of its compute runs Inductor-generated kernels
     compiled_fsdp: bool = False  # FSDP is inside compiled graphs: copies are counted on the graphs
     fsdp_pass: dict | None = None  # options for torch.compile(backend="vescale")
+    fsdp2_reshard: bool | int = True  # FSDP2's fully_shard(reshard_after_forward=...) for each block
 
 
 _ACROSS_STEP_OFF = {"overlap_last_reduce": False, "prefetch_next_step": False, "step_reduced_first": False}
@@ -64,6 +65,20 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp_pass_inductor_across_step", "fsdp_pass inductor, all three across the step",
            inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, "overlap_last_reduce": True,
                                                          "prefetch_next_step": True, "step_reduced_first": True}),
+    # The multi-node settings (benchmarks/node_link.py): backward's gathers within a node of 2 ranks, int8
+    # gradient reduction, FP8 gathers, and FSDP2's own within-node resharding.
+    System("fsdp_pass_inductor_reshard2", "fsdp_pass inductor, reshard_after_forward=2", inductor=True,
+           compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, "reshard_after_forward": 2}),
+    System("fsdp_pass_inductor_quantized", "fsdp_pass inductor, quantized_reduce", inductor=True,
+           compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, "quantized_reduce": True}),
+    System("fsdp_pass_inductor_reshard2_quantized", "fsdp_pass inductor, reshard_after_forward=2 + quantized_reduce",
+           inductor=True, compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1,
+                                                         "reshard_after_forward": 2, "quantized_reduce": True}),
+    System("fsdp_pass_inductor_reshard2_quantized_fp8",
+           "fsdp_pass inductor, reshard_after_forward=2 + quantized_reduce + FP8 gathers", inductor=True,
+           compiled_fsdp=True, fsdp_pass={"compiler": "inductor", "prefetch": 1, "reshard_after_forward": 2,
+                                          "quantized_reduce": True, "fp8_all_gather": True}),
+    System("fsdp2_reshard2", "FSDP2 (eager), reshard_after_forward=2", fsdp2_reshard=2),
 )}
 
 
@@ -187,7 +202,7 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # broadcast_buffers: deprecated name, same meaning
             return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False), notes
-    if system.key in ("fsdp2", "fsdp2_compile"):
+    if system.key in ("fsdp2", "fsdp2_compile", "fsdp2_reshard2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -195,7 +210,7 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         for block in model.layers:
             if system.key == "fsdp2_compile":
                 block.compile()  # per-block compile: FSDP's hooks are dynamo-disabled and run eagerly
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=system.fsdp2_reshard)
         fully_shard(model, mesh=mesh)
         return model, notes
     if system.key == "simplefsdp":

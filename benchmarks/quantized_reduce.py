@@ -12,7 +12,7 @@ Three measurements ([Note: block-quantized gradient reduction] in fsdp_pass/buck
   rank sends to the others in the gradient reduction (reduce_scatter: (g-1)/g of its input; the
   quantized all_to_all: the rows for the g-1 others), from the profiler's records of what ran.
 * ``convergence``: ``examples/train.py`` (llama on the standard-library corpus) on 2 ranks for
-  ``--steps`` steps and ``--seeds`` seeds, exact and quantized; the final loss (mean of the last 10
+  ``--steps`` steps and ``--seeds`` seeds, exact and quantized (each rounding); the final loss (mean of the last 10
   steps) of the quantized runs against the seed-to-seed spread of the exact ones; curves plotted to
   ``docs/img/quantized_reduce_convergence.png``.
 
@@ -129,23 +129,28 @@ def _bytes(rank: int, world: int) -> dict:
     return out
 
 
-def _train(seed: int, quantized: bool, args, log_dir: Path) -> dict:
-    log = log_dir / f"{'int8' if quantized else 'exact'}_seed{seed}.json"
+KINDS = {"exact": None, "int8 nearest": "nearest", "int8 stochastic": "stochastic"}  # convergence: label -> rounding
+_COLORS = {"exact": "C0", "int8 nearest": "C3", "int8 stochastic": "C2"}
+
+
+def _train(seed: int, kind: str, args, log_dir: Path) -> dict:
+    rounding = KINDS[kind]
+    log = log_dir / f"{rounding or 'exact'}_seed{seed}.json"
     if args.reuse and log.exists():
         return json.loads(log.read_text())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train.py"), "--dim", "64", "--layers", "2", "--heads", "4", "--seq-len", "64",
            "--global-batch", "8", "--steps", str(args.steps), "--seed", str(seed), "--compiler", "aot_eager",
            "--eval-every", "0", "--sample-bytes", "0", "--no-progress", "--log-json", str(log),
-           *(["--quantized-reduce", "nearest"] if quantized else [])]
+           *(["--quantized-reduce", rounding] if rounding else [])]
     subprocess.run(cmd, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL, cwd=ROOT,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
     return json.loads(log.read_text())
 
 
 def _plot(runs: dict, seeds: int, path: Path) -> None:
-    """Top: every run's loss curve. Bottom: per seed, int8 - exact, beside exact seed k - exact seed 0 (the
-    run-to-run spread the difference is to be compared with)."""
+    """Top: every run's loss curve. Bottom: per seed, int8 - exact (each rounding), beside exact seed k - exact
+    seed 0 (the run-to-run spread the difference is to be compared with)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,15 +159,16 @@ def _plot(runs: dict, seeds: int, path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
     for (kind, seed), result in sorted(runs.items()):
         top.plot(range(1, len(result["losses"]) + 1), result["losses"], lw=0.8, ls="-" if kind == "exact" else ":",
-                 color="C0" if kind == "exact" else "C3", label=kind if seed == 0 else None)
+                 color=_COLORS[kind], label=kind if seed == 0 else None)
     top.set(ylabel="training loss", title="exact fp32 vs int8-block gradient reduce-scatter (2 ranks)")
     top.legend()
     base = runs["exact", 0]["losses"]
     for seed in range(seeds):
-        exact, quantized = runs["exact", seed]["losses"], runs["int8", seed]["losses"]
+        exact = runs["exact", seed]["losses"]
         steps = range(1, len(exact) + 1)
-        bottom.plot(steps, [b - a for a, b in zip(exact, quantized)], lw=0.8, color="C3",
-                    label="int8 - exact, same seed" if seed == 0 else None)
+        for kind in list(KINDS)[1:]:
+            bottom.plot(steps, [b - a for a, b in zip(exact, runs[kind, seed]["losses"])], lw=0.8, color=_COLORS[kind],
+                        label=f"{kind} - exact, same seed" if seed == 0 else None)
         if seed:
             bottom.plot(steps, [b - a for a, b in zip(base, exact)], lw=0.6, color="0.6",
                         label="exact seed k - exact seed 0" if seed == 1 else None)
@@ -208,19 +214,20 @@ def main() -> None:
     if args.only in (None, "convergence"):
         log_dir = HERE / "results" / "quantized_reduce"
         log_dir.mkdir(parents=True, exist_ok=True)
-        runs = {(kind, seed): _train(seed, kind == "int8", args, log_dir)
-                for seed in range(args.seeds) for kind in ("exact", "int8")}
-        final = {kind: [statistics.mean(runs[kind, s]["losses"][-10:]) for s in range(args.seeds)]
-                 for kind in ("exact", "int8")}
+        runs = {(kind, seed): _train(seed, kind, args, log_dir) for seed in range(args.seeds) for kind in KINDS}
+        final = {kind: [statistics.mean(runs[kind, s]["losses"][-10:]) for s in range(args.seeds)] for kind in KINDS}
         results["convergence"] = {"steps": args.steps, "seeds": args.seeds, "final_loss": final,
                                   "losses": {f"{k}_seed{s}": r["losses"] for (k, s), r in runs.items()}}
         _plot(runs, args.seeds, args.plot)
         spread = max(final["exact"]) - min(final["exact"])
         print(f"final train loss (mean of last 10 of {args.steps} steps), 2 ranks, seeds 0..{args.seeds - 1}")
         for kind, values in final.items():
-            print(f"{kind:>6} | " + " | ".join(f"{v:.4f}" for v in values) + f" | mean {statistics.mean(values):.4f}")
-        print(f"exact seed-to-seed spread {spread:.4f}; per seed int8 - exact: "
-              + ", ".join(f"{b - a:+.4f}" for a, b in zip(final["exact"], final["int8"])))
+            print(f"{kind:>15} | " + " | ".join(f"{v:.4f}" for v in values) + f" | mean {statistics.mean(values):.4f}")
+        print(f"exact seed-to-seed spread {spread:.4f}")
+        for kind in list(KINDS)[1:]:
+            diffs = [[b - a for a, b in zip(runs["exact", s]["losses"], runs[kind, s]["losses"])] for s in range(args.seeds)]
+            print(f"{kind} - exact per seed (final): " + ", ".join(f"{b - a:+.4f}" for a, b in zip(final["exact"], final[kind]))
+                  + f"; largest at any step {max(abs(d) for row in diffs for d in row):.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

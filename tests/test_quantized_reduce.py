@@ -91,7 +91,7 @@ def _reduced(rank: int, world: int, options: dict, micro: int, mesh_shape: tuple
     torch._dynamo.reset()
     ROUNDING_STREAM.reset()
     torch.manual_seed(0)
-    model = init_std(Llama(LlamaConfig(layers=2)))
+    model = init_std(Llama(LlamaConfig(layers=1)))
     if frozen:
         model.get_submodule(frozen).requires_grad_(False)
     compiled = torch.compile(model, backend="vescale", options={

@@ -68,9 +68,11 @@ def _train(rank: int, world: int, setting, mesh, *, per_block: bool = False, mic
 
 
 def _recorder(saved: dict[int, int]):
-    """A saved-tensor pack hook recording each storage saved for backward: data pointer -> bytes."""
+    """A saved-tensor pack hook recording each storage saved for backward: data pointer -> bytes (a sharded
+    parameter an eager op saves is its shard: not counted)."""
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if not isinstance(t, fsdp_pass.RaggedShardTensor):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     return pack
 

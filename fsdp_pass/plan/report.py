@@ -194,6 +194,62 @@ class PlanSummary:
         return {"all_gather_forward": tuple(forward), "all_gather_backward": tuple(backward),
                 "reduce_scatter": tuple(scatter), "all_reduce_replicas": (0, 2 * (r - 1) * grad_shards // r)}
 
+    def bytes_between_nodes(self, reduce_scatter_as_all_reduce: bool = False) -> dict[str, int]:
+        """Per collective, the bytes that cross between nodes per step, all nodes together, when the
+        collectives run as rings over consecutive ranks (gloo, NCCL's ring algorithm): what the nodes'
+        network counters see, where :meth:`comm_bytes_by_link` counts what each rank must receive.
+
+        [Note: ring collectives across nodes]
+        A ring over g consecutive ranks spanning c > 1 nodes crosses between nodes on c of its g edges
+        (from each node's last rank to the next node's first, and back around). An all-gather of pieces
+        of b bytes sends g - 1 pieces over every edge; a ring all-reduce of B bytes sends 2(g-1)/g · B; a
+        ring reduce-scatter g - 1 pieces; gloo's reduce-scatter is an all-reduce of the whole input
+        (``reduce_scatter_as_all_reduce``: B = g · b). An all-to-all goes straight from each rank to each
+        other: g · (peers on other nodes) rows. Groups inside one node cross nothing. Measured on gloo
+        over a node lab (docs/benchmarks.md, "Two nodes over a real link").
+        """
+        plain, reduce = self.param_dtype.itemsize, self.reduce_dtype.itemsize
+        n, r, k = self.node_size, self.replicate_size, self.reshard_after_forward
+        groups = self.replicate_size  # shard groups, one per replica: consecutive ranks
+
+        def crossings(group: int) -> int:
+            spanned = -(-group // n)
+            return spanned if spanned > 1 else 0
+
+        def gather(group: int, piece: float) -> float:
+            return crossings(group) * (group - 1) * piece
+
+        def all_reduce(group: int, nbytes: float) -> float:
+            return crossings(group) * 2 * (group - 1) / group * nbytes
+
+        forward = backward = scatter = replicas = 0.0
+        for i, b in enumerate(self.buckets):
+            piece = b.copies * (b.fp8_bytes or b.shard_size * plain)
+            forward += groups * gather(b.world_size, piece)
+            if k is False or (i == len(self.buckets) - 1 and len(self.buckets) > 1):
+                pass
+            elif k is True or b.world_size <= k:
+                backward += groups * gather(b.world_size, piece)
+            else:  # groups of k consecutive ranks, k - 1 pieces of bucket / k each
+                backward += groups * b.world_size // k * gather(k, b.copies * b.global_size * plain / k)
+            if not b.trainable or b.world_size == 1:
+                continue
+            if self.quantized_reduce_block:
+                row = b.copies * sent_bytes(2, b.shard_size, self.quantized_reduce_block)
+                across_peers = b.world_size - min(b.world_size, n)
+                scatter += groups * b.world_size * across_peers * row
+            elif reduce_scatter_as_all_reduce:
+                scatter += groups * all_reduce(b.world_size, b.world_size * b.copies * b.shard_size * reduce)
+            else:
+                scatter += groups * gather(b.world_size, b.copies * b.shard_size * reduce)
+            if r > 1:  # one replica group per shard rank, each rank of it on another node
+                replicas += b.world_size * r * 2 * (r - 1) / r * b.copies * b.shard_size * reduce
+        out = {"all_gather_forward": forward, "all_gather_backward": backward, "reduce_scatter": scatter,
+               "all_reduce_replicas": replicas}
+        out = {name: round(v) for name, v in out.items()}
+        out["total"] = sum(out.values())
+        return out
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,

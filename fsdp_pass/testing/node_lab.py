@@ -109,7 +109,6 @@ class NodeLab:
         self._add_namespace(self.hub)
         self._ip(self.hub, "link", "add", "br0", "type", "bridge")
         self._ip(self.hub, "link", "set", "br0", "up")
-        burst = max(64 * 1024, 4 * self.mtu, int(self.rate_mbit * 1e6 / 8 / 100))  # >= 10 ms of traffic
         for i, (ns, dev, port) in enumerate(zip(self.namespaces, self.devices, self._hub_ports)):
             self._add_namespace(ns)
             self._ip(None, "link", "add", dev, "mtu", str(self.mtu), "netns", ns, "type", "veth",
@@ -121,9 +120,23 @@ class NodeLab:
             self._ip(ns, "addr", "add", f"{self.address(i)}/24", "dev", dev)
             self._ip(ns, "link", "set", "lo", "up")
             self._ip(ns, "link", "set", dev, "up")
-            for where, link in ((ns, dev), (self.hub, port)):  # both directions: the node's uplink and downlink
-                self._exec(where, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
+        self._shape("add")
+
+    def _shape(self, verb: str) -> None:
+        """``tc qdisc <verb>`` a token bucket of ``rate_mbit`` on both ends of every link: each node's uplink
+        and downlink."""
+        burst = max(64 * 1024, 4 * self.mtu, int(self.rate_mbit * 1e6 / 8 / 100))  # >= 10 ms of traffic
+        for ns, dev, port in zip(self.namespaces, self.devices, self._hub_ports):
+            for where, link in ((ns, dev), (self.hub, port)):
+                self._exec(where, "tc", "qdisc", verb, "dev", link, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
                            "burst", str(burst), "latency", "50ms")
+
+    def set_rate(self, rate_mbit: float) -> None:
+        """Change every link's rate now (from any process, a rank inside a node too: root runs ``tc``)."""
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit={rate_mbit} must be a positive link rate in Mbit/s")
+        self.rate_mbit = rate_mbit
+        self._shape("change")
 
     def close(self) -> None:
         """Kill the processes started on the nodes, then delete every namespace (and so every link).
@@ -209,6 +222,15 @@ class NodeLab:
             tx, rx = (int(v) for v in read.stdout.split())
             out.append((tx, rx))
         return out
+
+    def sent_from_here(self, node: int) -> int:
+        """Bytes ``node``'s link has sent so far, read by a process inside that node (:meth:`enter`): the
+        kernel's counter of the device, through ``/proc/self/net/dev``, which shows the reader's namespace."""
+        for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() == self.devices[node]:
+                return int(fields.split()[8])  # receive: bytes packets errs drop fifo frame compressed multicast
+        raise RuntimeError(f"{self.devices[node]} is not in this process's network namespace: call enter({node}) first")
 
     def bytes_sent(self) -> int:
         """Bytes all nodes sent onto the network so far (each byte between nodes counted once)."""
