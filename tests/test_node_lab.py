@@ -20,14 +20,17 @@ LAB = unavailable()
 needs_lab = pytest.mark.skipif(LAB is not None, reason=LAB or "")
 RATE_MBIT = 200
 PAYLOAD = 2 ** 21  # float32 elements: 8 MiB, 0.34 s at 200 Mbit/s
+PIECE = 2 ** 16  # float32 elements per rank in the collectives: 256 KiB
 
 
 def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
 
 
-def _send_times(rank: int, world: int) -> dict:
-    """Rank 0 (node 0) sends PAYLOAD to rank 2 (node 1) across the link, then to rank 1 on its own node."""
+def _send_times(rank: int, world: int, lab: NodeLab) -> dict:
+    """Rank 0 (node 0) sends PAYLOAD to rank 2 (node 1) across the link, then to rank 1 on its own node; then
+    the bytes each node's link sends in gloo's collectives of PIECE elements per rank (each node's first rank
+    reads its counter)."""
     data = torch.ones(PAYLOAD)
     times = {}
     for peer, where in ((2, "across"), (1, "inside")):
@@ -39,8 +42,20 @@ def _send_times(rank: int, world: int) -> dict:
             dist.recv(data, 0)
         dist.barrier()
         times[where] = time.perf_counter() - start
+    collectives = {
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(PIECE * world), torch.ones(PIECE)),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(PIECE), torch.ones(PIECE * world)),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty(PIECE * world), torch.ones(PIECE * world)),
+    }
+    sent = {}
+    for name, collective in collectives.items():
+        dist.barrier()
+        before = lab.sent_from_here(rank // 2)
+        collective()
+        dist.barrier()
+        sent[name] = lab.sent_from_here(rank // 2) - before
     return {"times": times, "env": (os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"]),
-            "ifname": os.environ["GLOO_SOCKET_IFNAME"]}
+            "ifname": os.environ["GLOO_SOCKET_IFNAME"], "sent": sent}
 
 
 @needs_lab
@@ -49,7 +64,7 @@ def test_ranks_on_two_nodes_send_at_the_link_rate_and_the_counters_see_it():
         names = lab.namespaces + [lab.hub]
         assert all(n in _namespaces() for n in names)
         sent_before = lab.bytes_sent()
-        results = run_distributed(_send_times, 4, lab=lab, timeout=120, pg_timeout=60)
+        results = run_distributed(_send_times, 4, lab, lab=lab, timeout=120, pg_timeout=60)
         sent = lab.bytes_sent() - sent_before
     assert [r["env"] for r in results] == [("2", "0"), ("2", "0"), ("2", "1"), ("2", "1")]
     assert [r["ifname"] for r in results] == [lab.devices[0]] * 2 + [lab.devices[1]] * 2
@@ -57,8 +72,16 @@ def test_ranks_on_two_nodes_send_at_the_link_rate_and_the_counters_see_it():
     payload = PAYLOAD * 4
     assert payload * 8 / across / 1e6 < RATE_MBIT * 1.1, f"{payload} bytes in {across:.3f} s: faster than the link"
     assert inside < across / 3, f"inside a node {inside:.3f} s, across {across:.3f} s: intra-node traffic is throttled"
-    # the one transfer across, plus the group's setup and barriers (kilobytes); the intra-node one stays off the link
-    assert payload <= sent < payload * 1.05, f"{sent} bytes crossed the link for a {payload}-byte transfer"
+    # the transfer across and the collectives, plus the group's setup and barriers (kilobytes); the intra-node
+    # transfer stays off the link
+    collectives = sum(results[0]["sent"].values()) + sum(results[2]["sent"].values())
+    assert payload + collectives <= sent < (payload + collectives) * 1.05, f"{sent} bytes crossed for {payload}"
+    # gloo's rings over ranks 0-1-2-3 cross between the nodes on 2 of their 4 edges ([Note: ring collectives
+    # across nodes] in plan/report.py): an all-gather sends 3 pieces over each, a reduce-scatter (an all-reduce
+    # of the whole input inside gloo) 2 * 3/4 * 4 pieces, an all-to-all 2 pieces from each rank
+    for name, pieces in {"all_gather": 6, "reduce_scatter": 12, "all_to_all": 8}.items():
+        both = results[0]["sent"][name] + results[2]["sent"][name]
+        assert pieces <= both / (PIECE * 4) < pieces * 1.02, f"{name}: {both / (PIECE * 4):.3f} pieces crossed"
     left = _namespaces()
     assert not any(n in left for n in names), f"namespaces left behind: {left}"
 
