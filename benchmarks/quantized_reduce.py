@@ -218,7 +218,10 @@ def main() -> None:
         final = {kind: [statistics.mean(runs[kind, s]["losses"][-10:]) for s in range(args.seeds)] for kind in KINDS}
         results["convergence"] = {"steps": args.steps, "seeds": args.seeds, "final_loss": final,
                                   "losses": {f"{k}_seed{s}": r["losses"] for (k, s), r in runs.items()}}
-        _plot(runs, args.seeds, args.plot)
+        try:
+            _plot(runs, args.seeds, args.plot)
+        except ImportError as e:  # matplotlib is in the [bench] extra
+            print(f"no plot: {e}")
         spread = max(final["exact"]) - min(final["exact"])
         print(f"final train loss (mean of last 10 of {args.steps} steps), 2 ranks, seeds 0..{args.seeds - 1}")
         for kind, values in final.items():
