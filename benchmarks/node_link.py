@@ -13,7 +13,9 @@ rounds), and the bytes that crossed between the nodes per step, from the kernel'
 veth (``tx_bytes`` of both nodes over a slice's timed steps, frames with their TCP/IP headers; the slice's
 barriers add a few hundred bytes). The prediction is the cost model's
 (``PlanSummary.bytes_between_nodes``, [Note: ring collectives across nodes] in fsdp_pass/plan/report.py),
-for the same model, setting and node size, with gloo's reduce-scatter as an all-reduce.
+for the same setting and node size, with gloo's reduce-scatter as an all-reduce, on the buckets each
+system gathers: the ones fsdp_pass's compile made (rank 0's, after warm-up), FSDP2's groups (a block
+each, the root's kept from forward into backward), the planner's for SimpleFSDP.
 
 Run (root): ``python benchmarks/node_link.py [--rates 100 400 1600] [--systems a,b,...]``; prints a
 table, writes ``benchmarks/results/node_link.json``.
@@ -38,7 +40,8 @@ import torch  # noqa: E402
 
 import _round_robin as RR  # noqa: E402
 from _systems import SYSTEMS, barrier, simplefsdp_import_error  # noqa: E402
-from fsdp_pass.plan.report import plan_model  # noqa: E402
+from fsdp_pass.buckets.dbuffer import buffers_of  # noqa: E402
+from fsdp_pass.plan.report import BucketStats, PlanSummary, bucket_stats, plan_model  # noqa: E402
 from fsdp_pass.testing.models import Llama, LlamaConfig  # noqa: E402
 from fsdp_pass.testing.node_lab import NodeLab, unavailable  # noqa: E402
 from fsdp_pass.testing.spawn import run_distributed  # noqa: E402
@@ -51,19 +54,41 @@ SYSTEM_KEYS = ["fsdp_pass_inductor", "fsdp_pass_inductor_reshard2", "fsdp_pass_i
 QUANTIZED_BLOCK = 128  # options["quantized_reduce"]=True's block
 
 
-def _plan_setting(key: str) -> dict:
-    """The cost model's arguments for a system: its resharding, int8 reduction and FP8 gathers."""
+def _setting(key: str) -> dict:
+    """The cost model's view of a system's options: its resharding, int8 reduction and FP8 gathers."""
     system = SYSTEMS[key]
     options = system.fsdp_pass or {}
-    reshard = options.get("reshard_after_forward", system.fsdp2_reshard)
-    return {"reshard_after_forward": reshard, "fp8": bool(options.get("fp8_all_gather")),
+    return {"reshard_after_forward": options.get("reshard_after_forward", system.fsdp2_reshard),
+            "fp8": bool(options.get("fp8_all_gather")),
             "quantized_reduce_block": QUANTIZED_BLOCK if options.get("quantized_reduce") else None}
 
 
-def predicted_bytes(key: str, world: int, node_size: int) -> int:
-    """The cost model's bytes between the nodes per step for system ``key`` (fp32 parameters and gradients)."""
-    plan = plan_model(Llama(MODEL), (world,), name="benchmark llama", param_dtype=torch.float32, node_size=node_size,
-                      **_plan_setting(key))
+def _fsdp2_groups(world: int) -> tuple[BucketStats, ...]:
+    """FSDP2's parameter groups as buckets: one per block, then the root's (embeddings, final norm, output),
+    which FSDP2 keeps gathered from forward into backward (the cost model keeps the last bucket)."""
+    model = Llama(MODEL)
+    groups = [[(n, p) for n, p in block.named_parameters()] for block in model.layers]
+    in_blocks = {id(p) for g in groups for _, p in g}
+    groups.append([(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks])
+    # fully_shard pads each parameter's dim 0 to a multiple of the ranks
+    shard = [sum(-(-p.shape[0] // world) * p[0].numel() for _, p in g) for g in groups]
+    return tuple(BucketStats((g[0][0],), len(g), sum(p.numel() for _, p in g), s, world, 4, True)
+                 for g, s in zip(groups, shard))
+
+
+def predicted_bytes(key: str, world: int, node_size: int, buckets: list[BucketStats] | None) -> int:
+    """The cost model's bytes between the nodes per step for system ``key`` (fp32 parameters and gradients):
+    on the buckets the system's compile made (fsdp_pass), FSDP2's groups, or the planner's buckets."""
+    setting = _setting(key)
+    if buckets is None and key.startswith("fsdp2"):
+        buckets = _fsdp2_groups(world)
+    if buckets is None:  # SimpleFSDP: the planner's buckets (one per module unit, as its bucket plans)
+        plan = plan_model(Llama(MODEL), (world,), name="benchmark llama", param_dtype=torch.float32,
+                          node_size=node_size, **setting)
+    else:
+        plan = PlanSummary("benchmark llama", (world,), torch.float32, torch.float32, "adamw", 0, None,
+                           setting["reshard_after_forward"], tuple(buckets), 0, 0.0, fp8=setting["fp8"],
+                           node_size=node_size, quantized_reduce_block=setting["quantized_reduce_block"])
     return plan.bytes_between_nodes(reduce_scatter_as_all_reduce=True)["total"]
 
 
@@ -76,6 +101,8 @@ def _worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
         return float(lab.sent_from_here(node)) if rank % per_node == 0 else 0.0
 
     runs, out = RR.build(rank, world, tags, args)
+    buckets = {tag: [bucket_stats(b, (b.names[0],)) for b in buffers_of(run.model)]
+               for tag, run in runs.items() if run.system.fsdp_pass is not None}
     index, per_rate = args["warmup"], {}
     for rate in args["rates"]:
         if rank == 0:
@@ -85,7 +112,7 @@ def _worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
             out[tag]["rounds"], out[tag]["metered"] = [], []
         index = RR.rounds(runs, out, args, index, meter=sent)
         per_rate[rate] = {tag: {"rounds": out[tag]["rounds"], "metered": out[tag]["metered"]} for tag in tags}
-    return {"per_rate": per_rate, "compile_s": {t: out[t]["compile_s"] for t in tags},
+    return {"per_rate": per_rate, "buckets": buckets, "compile_s": {t: out[t]["compile_s"] for t in tags},
             "notes": {t: out[t]["notes"] for t in tags}, "losses": {t: r.losses for t, r in runs.items()}}
 
 
@@ -141,7 +168,6 @@ def main(argv=None) -> int:
         tags.remove("simplefsdp")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2 * a.ranks_per_node
-    predictions = {t: predicted_bytes(t, world, a.ranks_per_node) for t in tags}
     load_before, t0 = os.getloadavg(), time.time()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
@@ -150,6 +176,7 @@ def main(argv=None) -> int:
     with NodeLab(2, a.rates[0]) as lab:
         ranks = run_distributed(_worker, world, tags, {**args, "lab": lab}, timeout=a.timeout, pg_timeout=600,
                                 pin_cores=True, lab=lab)
+    predictions = {t: predicted_bytes(t, world, a.ranks_per_node, ranks[0]["buckets"].get(t)) for t in tags}
     rows = summarize(ranks, tags, a.rates, a.steps, predictions)
     best_fsdp2 = [t for t in ("fsdp2", "fsdp2_reshard2") if t in tags]
     print(table(rows, tags[0], best_fsdp2))

@@ -30,7 +30,7 @@ from ..sharding.materialize import shard_with_blocks
 from ..sharding.mesh_roles import resolve_mesh
 from ..testing.fake_pg import fake_process_group
 
-__all__ = ["DTYPES", "OPTIMIZER_STATES", "BucketStats", "PlanSummary", "plan_model"]
+__all__ = ["DTYPES", "OPTIMIZER_STATES", "BucketStats", "PlanSummary", "bucket_stats", "plan_model"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # fp32 states per parameter element
@@ -399,6 +399,12 @@ def _least_padding_on_a_rank(buckets: list[tuple[DBuffer, int]], shard_ranks: in
     return min(padding_by_rank.values())
 
 
+def bucket_stats(buf: DBuffer, units: tuple[str, ...]) -> BucketStats:
+    """A sharded bucket as the cost model counts it; ``units``: the module units whose copy it stands for."""
+    return BucketStats(units, len(buf.names), buf.layout.numel, buf.layout.shard_size, buf.mesh.shard_size,
+                       buf.dtype.itemsize, buf.shard.requires_grad, _split(buf), _fp8_bytes(buf))
+
+
 def _split(buf: DBuffer) -> int:
     """How many TP/EP ranks hold a different local part of the bucket's tensors (1: none)."""
     name = buf.names[0]
@@ -464,12 +470,7 @@ def plan_model(
                            for n, p in distinct if hasattr(p, "_local_tensor")})
         fp8_plan = plan_fp8(distinct, Fp8Options() if fp8 else None, "--fp8")
         buffers = shard_with_blocks(distinct, mesh, ShardingConfig(bucket_size, min_bucket_bytes=0), blocks, fp8_plan)
-        stats = [
-            BucketStats(units_of_param[buf.names[0]], len(buf.names), buf.layout.numel, buf.layout.shard_size,
-                        buf.mesh.shard_size, buf.dtype.itemsize, buf.shard.requires_grad, _split(buf),
-                        _fp8_bytes(buf))
-            for buf in buffers
-        ]
+        stats = [bucket_stats(buf, units_of_param[buf.names[0]]) for buf in buffers]
     trainable = [(buf, s.copies) for buf, s in zip(buffers, stats) if s.trainable]
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
