@@ -38,6 +38,17 @@ replicate dim, / data-parallel degree, as :class:`_GatherBucket` does), adds the
 gradient shard, points the parameters' ``.grad`` at it and frees the m·S buffer. So a step of k
 micro-batches costs one reduce-scatter per trainable bucket instead of k. The callback runs once
 per bucket per backward even if several graphs (graph breaks) use the bucket.
+
+[Note: gradients of parameters a step does not use]
+One process leaves ``.grad`` None on a parameter no forward of the step used, and optimizers skip it
+(no weight decay, no moment decay, no step count). A bucket's reduced gradient covers all of its
+parameters, so attaching every view would hand such a parameter a zero gradient, and AdamW would
+decay it. So a bucket attaches views only for the parameters a gradient reaches (:attr:`DBuffer.used`):
+a compiled forward notes the parameters it reads (compile/backend.py), an eager gradient its own
+(eager/calls.py). A step starts when the bucket holds no gradient any more (``zero_grad``, or the
+first step): the first note then forgets the last step's set. With ``zero_grad(set_to_none=False)``
+the views stay, as a used parameter's zero gradient does in one process. With nothing noted (a
+gradient from a path that notes nothing) every view is attached, as before.
 """
 
 from __future__ import annotations
@@ -148,6 +159,10 @@ class DBuffer:
         # Reduced gradients are divided by this (None: the data-parallel degree, a mean); see
         # fsdp_pass.set_gradient_divide_factor. Compiled graphs hold it as a constant.
         self.gradient_divide_factor: float | None = None
+        # trainable parameters a gradient reaches in this step: only they get .grad views ([Note: gradients
+        # of parameters a step does not use])
+        self.used: set[str] = set()
+        self._used_attached = False  # a gradient was attached for `used` (the next step may start)
         # (shard version when gathered, name → whole view) of the last eager gather (buckets/whole_values.py)
         self.whole_views: tuple[int, dict[str, torch.Tensor]] | None = None
         # fully_shard's mp_policy: what graphs compiled without options["mp_policy"] gather and reduce in
@@ -194,6 +209,8 @@ class DBuffer:
 
     def whole_parameter(self, name: str) -> torch.Tensor:
         """``name``'s whole value for an eager op ([Note: eager calls on sharded parameters] in eager/calls.py)."""
+        if torch.is_grad_enabled():  # [Note: gradients of parameters a step does not use]
+            self.note_used((name,))
         return whole_views(self)[name]
 
     def segment_sizes(self) -> list[int]:
@@ -269,12 +286,32 @@ class DBuffer:
         return grad
 
     def attach_grads(self, grad: torch.Tensor) -> None:
-        """Point every trainable parameter's ``.grad`` at its view of the gradient shard ``grad``."""
+        """Point the ``.grad`` of every trainable parameter used in this step (all, when none was noted) at
+        its view of the gradient shard ``grad`` ([Note: gradients of parameters a step does not use])."""
         self._grad_ref = weakref.ref(grad)
+        self._used_attached = True
         flat_buffers.register(grad, self.slots)  # [Note: one kernel per bucket]
         for name, p in self.params.items():
-            if p.requires_grad and not _is_view_of(p.grad, grad):
+            if p.requires_grad and (not self.used or name in self.used) and not _is_view_of(p.grad, grad):
                 p.grad = self.wrap(name, self.local_piece(name, grad))
+
+    def note_used(self, names: Iterable[str]) -> None:
+        """Parameters ``names`` take part in this step's gradient. The first note after the set was attached
+        starts a new step if the bucket holds no gradient any more ([Note: gradients of parameters a step does
+        not use])."""
+        if self._used_attached and not self._holds_gradient():
+            self.used.clear()
+        self._used_attached = False
+        self.used.update(names)
+
+    def _holds_gradient(self) -> bool:
+        """Whether a gradient of this step is held: attached views, an accumulated or a deferred gradient."""
+        if self._pending is not None and self._pending.grad is not None:
+            return True
+        if self.deferred is not None and self.deferred.grad is not None:
+            return True
+        grad = None if self._grad_ref is None else self._grad_ref()
+        return grad is not None and any(_is_view_of(self.params[n].grad, grad) for n in self.used if n in self.params)
 
     @property
     def trainable_names(self) -> list[str]:

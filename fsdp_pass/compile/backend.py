@@ -182,10 +182,14 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     eager_graph = gm  # Dynamo's own graph: parameters as inputs, run through the eager path
 
     def run(*args):
-        buffers = binding.buffers_for(args)  # [Note: one graph for identical blocks]
-        if buffers is None:
+        bound = binding.bind(args)  # [Note: one graph for identical blocks]
+        if bound is None:
             _warn_running_eagerly(result.sites[0].name)
             return eager_graph(*args)
+        buffers, reads = bound
+        if torch.is_grad_enabled():  # [Note: gradients of parameters a step does not use]
+            for buf, names in zip(buffers, reads):
+                buf.note_used(names)
         if uninitialized.any_pending():  # [Note: uninitialized shards]
             uninitialized.check_buckets(buffers)
         if in_flight.any_in_flight():  # nobody read last step's gradient: finish its reduce-scatter

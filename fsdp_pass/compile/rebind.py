@@ -55,15 +55,30 @@ class ShardBinding:
             j = index_of_buffer.get(id(buf))
             self._slots.append(None if j is None else (j, buf.segment_index(name)))
         self._sizes = [b.segment_sizes() for b in buffers]
+        # per bucket: the segments the graph reads; in the buckets it was compiled for, their names
+        self._read_segments = [sorted({slot[1] for slot in self._slots if slot is not None and slot[0] == j})
+                               for j in range(len(buffers))]
+        self.reads = self.names_read(self.buffers)
         self._configs = list(configs)
         self._params = [weakref.ref(p) for p in params]
-        self._known: dict[tuple[int, ...], tuple[list[weakref.ref], list[DBuffer]]] = {}
+        # ids of a call's parameters → (weak references to them, their buckets, the names read in each)
+        self._known: dict[tuple[int, ...], tuple[list[weakref.ref], list[DBuffer], list[tuple[str, ...]]]] = {}
 
-    def buffers_for(self, args: Sequence) -> list[DBuffer] | None:
-        """The buckets to run on for a call with ``args``; None when the parameters' buckets are laid out otherwise."""
+    def names_read(self, buffers: Sequence[DBuffer]) -> list[tuple[str, ...]]:
+        """Per bucket of ``buffers`` (laid out as the graph's), the names of the parameters the graph reads
+        there ([Note: gradients of parameters a step does not use] in buckets/dbuffer.py)."""
+        read = []
+        for buf, segments in zip(buffers, self._read_segments):
+            names = [name for name, _ in buf.layout.segments()]
+            read.append(tuple(names[i] for i in segments))
+        return read
+
+    def bind(self, args: Sequence) -> tuple[list[DBuffer], list[tuple[str, ...]]] | None:
+        """The buckets to run on for a call with ``args`` and the names the graph reads in each; None when the
+        parameters' buckets are laid out otherwise."""
         actual = [args[i] for i in self.positions]
-        if all(ref() is a for ref, a in zip(self._params, actual)):  # the parameters it was compiled for
-            return self.buffers
+        if all(ref() is a for ref, a in zip(self._params, actual)):
+            return self.buffers, self.reads
         key = tuple(map(id, actual))
         known = self._known.get(key)
         if known is None or any(ref() is not a for ref, a in zip(known[0], actual)):
@@ -72,8 +87,8 @@ class ShardBinding:
                 return None
             if len(self._known) >= _KEPT_BINDINGS:
                 self._known.pop(next(iter(self._known)))
-            known = self._known[key] = ([weakref.ref(a) for a in actual], buffers)
-        return known[1]
+            known = self._known[key] = ([weakref.ref(a) for a in actual], buffers, self.names_read(buffers))
+        return known[1], known[2]
 
     def _match(self, actual: Sequence[torch.Tensor]) -> list[DBuffer] | None:
         found: list[DBuffer | None] = [None] * len(self.buffers)

@@ -29,6 +29,16 @@ bucket too, whose whole value is the parameter's local block; the hook on the pa
 DTensor gradient, takes its block in the parameter's placements, and returns the piece as a DTensor.
 
 Eager calls are collective, like every FSDP forward: every rank of the bucket's mesh must make them.
+
+[Note: a parameter used before it was sharded]
+The backend shards a compiled model's parameters at its first call ([Note: parameters no graph reads]
+in compile/passes/unread.py), but code Dynamo leaves to eager can run before that call: a model whose
+frame Dynamo skips (a graph break inside its loop over blocks) calls its embedding eagerly before the
+first block's frame is compiled. That forward's autograd graph holds the parameter's old contents
+(its gradient accumulator does), and the swap into a RaggedShard parameter leaves them behind, so the
+first backward would accumulate the whole gradient into a tensor nobody reads. The swap keeps those
+contents alive with a hook (:func:`reduce_gradient_of_swapped_out`) that takes the gradient as it
+arrives and reduces it into the bucket like an eager call's, so the first step is one process's too.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from ..tensor import collectives
 from ..buckets.dbuffer import DBuffer
 from ..tensor.ragged_tensor import RaggedShardTensor
 
-__all__ = ["reduce_eager_gradient"]
+__all__ = ["reduce_eager_gradient", "reduce_gradient_of_swapped_out"]
 
 @torch.no_grad()
 def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> torch.Tensor | None:
@@ -68,5 +78,18 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
         collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
     piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
+    buf.note_used([name])  # [Note: gradients of parameters a step does not use]
     buf.attach_grads(buf.gradient_buffer(create=True))
     return buf.wrap(name, piece)
+
+
+@torch.no_grad()
+def reduce_gradient_of_swapped_out(ref: weakref.ref, name: str, owner: weakref.ref, swapped_out: torch.Tensor) -> None:
+    """Post-accumulate-grad hook on the contents parameter ``owner`` had before it was sharded, which a
+    live autograd graph still accumulates into ([Note: a parameter used before it was sharded]): the
+    whole gradient is reduced into the bucket and added to the parameter's ``.grad``."""
+    grad, swapped_out.grad = swapped_out.grad, None
+    piece = reduce_eager_gradient(ref, name, grad)
+    param = owner()
+    if piece is not None and param is not None:
+        param.grad.add_(piece)

@@ -34,14 +34,14 @@ from ..buckets.dbuffer import DBuffer
 from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
 from ..buckets.mesh import ShardingMesh
 from ..buckets.settings import apply_recorded
-from ..eager.calls import reduce_eager_gradient
+from ..eager.calls import reduce_eager_gradient, reduce_gradient_of_swapped_out
 from ..interop.mixed_lists import install_mixed_list_handlers
 from ..interop.state_dict import install_state_dict_api
 from ..interop.torch_patches import install_full_state_dict_gather, install_wrapper_refusals
 from ..step.sync_check import install_plain_gradient_check
 from ..tensor.ragged_tensor import (RaggedLocalDTensor, holds_pieces, is_sharded, local_block, over_pieces,
                                      ragged_part, register_for_foreach_defaults)
-from ..tensor.swap import check_swappable, swap_in_place
+from ..tensor.swap import check_swappable, in_live_graph, swap_in_place
 from .buckets import BucketPlan, ShardingConfig, check_parameter, plan_parameter_buckets
 from .fp8_select import Fp8Plan, lcm_blocks
 from .mesh_roles import ParallelMesh
@@ -210,8 +210,12 @@ def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
             rebuilt.__dict__.update((k, v) for k, v in p.__dict__.items() if k not in rebuilt.__dict__)
             swap_in_place(p, rebuilt)
     else:
+        used = in_live_graph(p)
         sharded = nn.Parameter(buf.ragged(name, buf.local_piece(name)), requires_grad=p.requires_grad)
-        swap_in_place(p, sharded)
+        swap_in_place(p, sharded)  # `sharded` now holds p's old contents
+        if used:  # [Note: a parameter used before it was sharded]
+            sharded.register_post_accumulate_grad_hook(
+                functools.partial(reduce_gradient_of_swapped_out, weakref.ref(buf), name, weakref.ref(p)))
     buf.adopt(name, p)
 
 

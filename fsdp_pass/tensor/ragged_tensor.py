@@ -301,6 +301,7 @@ class RaggedShardTensor(torch.Tensor):
         return super().__reduce_ex__(protocol)
 
     @classmethod
+    @torch._disable_dynamo  # eager ops inside a compiled region's eager code: run, never traced (as DTensor's)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return ragged_dispatch.dispatch(func, args, kwargs)
 

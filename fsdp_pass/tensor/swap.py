@@ -6,7 +6,7 @@ import copyreg
 
 import torch
 
-__all__ = ["check_swappable", "swap_in_place"]
+__all__ = ["check_swappable", "in_live_graph", "swap_in_place"]
 
 
 def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -41,6 +41,17 @@ def check_swappable(t: torch.Tensor, what: str) -> None:
             f"the model in DistributedDataParallel: fsdp_pass already synchronizes gradients, do not wrap it "
             f"(docs/integrations.md)"
         )
+
+
+def in_live_graph(t: torch.Tensor) -> bool:
+    """Whether an autograd graph not yet run backward holds leaf ``t``'s gradient accumulator: a forward
+    used ``t`` before the swap, and its backward would accumulate into the contents swapped out
+    ([Note: a parameter used before it was sharded] in eager/calls.py). The accumulator is the second
+    owner of a leaf's contents (``torch.utils.swap_tensors`` reads the count the same way)."""
+    if not (t.is_leaf and t.requires_grad and t._use_count() == 2):
+        return False
+    torch.autograd.graph.get_gradient_edge(t)  # made here if there was none: the count drops back with it
+    return t._use_count() == 2
 
 
 _MISSING = object()

@@ -8,6 +8,8 @@ compiles without breaks, at ``experts / top_k`` times the FLOPs of a sparse MoE.
 
 from __future__ import annotations
 
+import io
+import logging
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,11 +17,12 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 __all__ = [
     "MLP", "LlamaConfig", "RMSNorm", "rope", "Attention", "SwiGLU", "MoE", "StackedMoE", "Block", "Llama",
-    "lm_loss", "init_std", "random_tokens",
+    "lm_loss", "init_std", "random_tokens", "GRAPH_BREAKS", "BreakingStack", "tiny_hf_llama",
 ]
 
 
@@ -247,3 +250,76 @@ class StackedMoE(nn.Module):
         h = F.silu(torch.matmul(t, self.w1.transpose(1, 2))) * torch.matmul(t, self.w3.transpose(1, 2))
         y = torch.matmul(h, self.w2.transpose(1, 2))  # (experts, b * s, d)
         return torch.einsum("etd,te->td", y, gate.reshape(b * s, -1)).view(b, s, d)
+
+
+# -- models whose forward Dynamo cannot trace whole ([Note: parameters no graph reads]) -----------
+
+GRAPH_BREAKS = ("print", "logging", "item", "branch", "checkpoint")
+_graph_break_log = logging.getLogger("fsdp_pass.testing.graph_break")
+_printed = io.StringIO()  # where the "print" block prints
+
+
+class _BreakingBlock(nn.Module):
+    """``a`` → ReLU → one of :data:`GRAPH_BREAKS` → ``b`` (and ``c`` when the branch is taken).
+
+    Column 0 of the input is a flag every sample of a step shares: the ``.item()`` scale and the
+    branch read it, so every rank (and one process on the whole batch) computes the same.
+    """
+
+    def __init__(self, kind: str, dim: int) -> None:
+        super().__init__()
+        if kind not in GRAPH_BREAKS:
+            raise ValueError(f"unknown graph break {kind!r}; one of {GRAPH_BREAKS}")
+        self.kind = kind
+        self.a, self.b, self.c = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.calls = 0  # the checkpointed function's side effect
+
+    def _checkpointed(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # a side effect Dynamo refuses inside torch.utils.checkpoint
+        return self.b(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        if self.kind == "print":
+            print("block input", tuple(h.shape), file=_printed)
+        elif self.kind == "logging":
+            _graph_break_log.debug("block input %s", tuple(h.shape))
+        elif self.kind == "item":
+            h = h * (1.0 + x[0, 0].item())
+        elif self.kind == "branch" and x[:, 0].sum() > 0:  # not taken while the flag is 0
+            h = self.c(h)
+        if self.kind == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(self._checkpointed, h, use_reentrant=False)
+        return self.b(h)
+
+
+class BreakingStack(nn.Module):
+    """An input layer, ``layers`` blocks that graph-break with ``kind`` (called in a loop, so Dynamo
+    gives up on this frame and compiles each block's frame on its own) and an output layer."""
+
+    def __init__(self, kind: str, dim: int = 12, layers: int = 2, out: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_BreakingBlock(kind, dim) for _ in range(layers))
+        self.out = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([x[:, :1], self.inp(x)[:, 1:]], dim=1)  # keep the flag column
+        for block in self.blocks:
+            h = torch.cat([x[:, :1], block(h)[:, 1:]], dim=1)
+        return self.out(h)
+
+
+def tiny_hf_llama(layers: int = 2, vocab: int = 61, tie_word_embeddings: bool = False,
+                  gradient_checkpointing: bool = False) -> nn.Module:
+    """transformers' ``LlamaForCausalLM`` from a tiny config (no download), optionally with Hugging Face
+    gradient checkpointing (non-reentrant, as fine-tuning recipes set it)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    cfg = HFLlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                        tie_word_embeddings=tie_word_embeddings, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

@@ -23,6 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.tensor import DTensor
 
+from ... import log
 from ...options import Options
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
@@ -36,6 +37,7 @@ from .reshard_within_groups import node_groups, reshard_setting, reshard_within_
 from .rewrite import Rewritten, copy_dynamo_graph, rewrite_parameters
 from .schedule import gather_chains, gather_taken_again, schedule_overlap, tag_reshard_after_forward
 from .shard import Sharded, shard_sites
+from .unread import shard_unread_parameters
 
 __all__ = ["GraphSink", "PassResult", "compile_scheduled", "run_passes"]
 
@@ -74,7 +76,9 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
     """
     t0 = time.perf_counter()
     sites = [s for s in find_parameters(gm, example_inputs, names) if not is_ignored(s.param)]  # [Note: ignored parameters stay whole]
-    if not sites:
+    if not sites:  # the compiled module's parameters are sharded before code left to eager uses them
+        for buf in shard_unread_parameters([], opts):  # [Note: parameters no graph reads]
+            log.plan(buf)
         return None
     _check_static_shapes_with_dtensor_parameters(sites, example_inputs)
     check_ranks_agree([f"{s.name}:{tuple(s.param.shape)}" for s in sites], "the parameters this graph uses", opts.mesh)

@@ -5,7 +5,8 @@ The user's mesh gets its roles (:mod:`fsdp_pass.sharding.mesh_roles`), every par
 planned into buckets (first-use order, grouped by module unit; :mod:`fsdp_pass.sharding.buckets`)
 and swapped in place into RaggedShard parameters (:mod:`fsdp_pass.sharding.materialize`).
 Parameters already sharded (an earlier graph, a recompile, a graph break, ``fully_shard``) keep
-their layout.
+their layout. The compiled modules' parameters the graph does not read are sharded too
+(:mod:`fsdp_pass.compile.passes.unread`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from ...options import Options
 from ...buckets.dbuffer import DBuffer, is_unsharded
 from ...tensor.ragged_tensor import bucket_of
 from ...buckets.mesh import check_mesh_is_current
-from ...interop.module_apply import keep_shards_on_apply
 from ...sharding.buckets import ShardingConfig
 from ...sharding.fp8_select import plan_fp8
 from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, graph_block_rows
+from .unread import shard_unread_parameters
 
 __all__ = ["Sharded", "shard_sites"]
 
@@ -52,8 +53,7 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
     fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
     new = shard_with_blocks(named, mesh, config, blocks, fp8)
-    for root in _traced_modules(sites):
-        keep_shards_on_apply(root)  # [Note: Module._apply on sharded parameters]
+    new += shard_unread_parameters(_traced_modules(sites), opts)  # [Note: parameters no graph reads]
     buckets = {s.name: bucket_of(s.param) for s in sites}
     for buf, _ in buckets.values():
         check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
