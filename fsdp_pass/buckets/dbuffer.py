@@ -163,6 +163,9 @@ class DBuffer:
         # of parameters a step does not use])
         self.used: set[str] = set()
         self._used_attached = False  # a gradient was attached for `used` (the next step may start)
+        # parameters a compiled graph reads (explain(): the others run through the eager path only,
+        # [Note: parameters no graph reads] in compile/passes/unread.py)
+        self.compiled_reads: set[str] = set()
         # (shard version when gathered, name → whole view) of the last eager gather (buckets/whole_values.py)
         self.whole_views: tuple[int, dict[str, torch.Tensor]] | None = None
         # fully_shard's mp_policy: what graphs compiled without options["mp_policy"] gather and reduce in

@@ -74,6 +74,7 @@ class CompiledGraph:
     modules: dict[str, fx.GraphModule] = field(default_factory=dict)  # stage name → graph, for tests and tools
     outlined: Outlined = field(default_factory=Outlined)  # blocks compiled once, and blocks left flat with why
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each pass before aot_autograd
+    graph_break: str | None = None  # why Dynamo ended this graph early (its graph-break reason), else None
 
     @property
     def buffers(self) -> list[DBuffer]:
@@ -146,6 +147,9 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     opts = Options.from_dict(options, mode)
     record = CompiledGraph(opts)
     record.graphs["dynamo"] = _readable(gm)
+    reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's GraphCompileReason
+    if reason is not None and reason.graph_break:
+        record.graph_break = str(reason.reason)
     result = run_passes(gm, example_inputs, opts)
     if result is None:  # no parameters: nothing to shard
         _remember(record)

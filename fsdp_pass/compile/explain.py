@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from .backend import records
@@ -22,6 +23,7 @@ class Explanation:
     across_step: list[str] = field(default_factory=list)  # communication the graphs leave across the step
     reductions: list[str] = field(default_factory=list)  # how the graphs reduce gradients, where not plainly
     outlined: list[str] = field(default_factory=list)  # blocks compiled once, and blocks left flat with why
+    eager: list[str] = field(default_factory=list)  # parameters no compiled graph reads, and Dynamo's graph breaks
 
     def bytes_per_rank(self) -> dict[str, int]:
         """Parameter and gradient bytes each rank holds (padding included)."""
@@ -62,6 +64,7 @@ class Explanation:
         lines += [f"across the step: {line}" for line in dict.fromkeys(self.across_step)]
         lines += list(dict.fromkeys(self.reductions))
         lines += self.outlined  # [Note: repeated blocks compiled once]
+        lines += self.eager  # [Note: parameters no graph reads]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -93,6 +96,33 @@ def _quantized_reduce_lines(options: Options, buffers: list[DBuffer]) -> list[st
     return lines
 
 
+_LISTED = 8  # parameter names an eager line lists before "..."
+
+
+def _eager_lines(buffers: list[DBuffer], mine: list) -> list[str]:
+    """The parameters no compiled graph reads, and why code ran outside the graphs: the graph breaks that ended
+    this model's graphs, and those Dynamo counted in this process (a frame it gave up on whole is counted
+    there only). [Note: parameters no graph reads] in compile/passes/unread.py."""
+    outside = [name for b in buffers for name in b.names if name not in b.compiled_reads]
+    if not outside:
+        return []
+    listed = ", ".join(outside[:_LISTED]) + (", ..." if len(outside) > _LISTED else "")
+    lines = [f"outside the compiled graphs: {len(outside)} parameters ({listed}) no compiled graph reads; they run "
+             f"through the eager path when used (their bucket gathered, gradients all-reduced into the shards)"]
+    lines += [f"graph break: graph {i} ends at {_first_line(r.graph_break)}" for i, r in enumerate(mine) if r.graph_break]
+    for reason, count in torch._dynamo.utils.counters["graph_break"].items():
+        hints = [line.strip() for line in reason.splitlines() if line.strip().startswith("Hint:")]
+        lines.append(f"graph break (Dynamo, x{count}): {_first_line(reason)}" + (f" ({' '.join(hints)})" if hints else ""))
+    if len(lines) == 1:
+        lines.append("graph break: none recorded (a branch not taken yet, a module called eagerly, or a model sharded "
+                     "by fully_shard and compiled in parts)")
+    return lines
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), text)
+
+
 def explain(model: nn.Module, print_output: bool = True) -> Explanation:
     """Describe the plan (buckets, offsets, placements, padding, bytes per rank, collectives) and graphs."""
     module = getattr(model, "_orig_mod", model)
@@ -107,7 +137,8 @@ def explain(model: nn.Module, print_output: bool = True) -> Explanation:
     result = Explanation(sorted(buffers, key=lambda b: b.index), [r.graphs for r in mine],
                          [line for r in mine for line in r.across_step],
                          [line for r in mine for line in _quantized_reduce_lines(r.options, r.buffers)],
-                         [f"graph {i}: {line}" for i, r in enumerate(mine) for line in r.outlined.lines()])
+                         [f"graph {i}: {line}" for i, r in enumerate(mine) for line in r.outlined.lines()],
+                         _eager_lines(buffers, mine))
     if print_output:
         print(result)
     return result

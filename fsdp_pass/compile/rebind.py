@@ -59,6 +59,7 @@ class ShardBinding:
         self._read_segments = [sorted({slot[1] for slot in self._slots if slot is not None and slot[0] == j})
                                for j in range(len(buffers))]
         self.reads = self.names_read(self.buffers)
+        _note_compiled_reads(self.buffers, self.reads)
         self._configs = list(configs)
         self._params = [weakref.ref(p) for p in params]
         # ids of a call's parameters → (weak references to them, their buckets, the names read in each)
@@ -88,6 +89,7 @@ class ShardBinding:
             if len(self._known) >= _KEPT_BINDINGS:
                 self._known.pop(next(iter(self._known)))
             known = self._known[key] = ([weakref.ref(a) for a in actual], buffers, self.names_read(buffers))
+            _note_compiled_reads(buffers, known[2])
         return known[1], known[2]
 
     def _match(self, actual: Sequence[torch.Tensor]) -> list[DBuffer] | None:
@@ -110,3 +112,9 @@ class ShardBinding:
         if any(b is None for b in found):
             return None
         return found
+
+
+def _note_compiled_reads(buffers: Sequence[DBuffer], reads: Sequence[tuple[str, ...]]) -> None:
+    """Tell each bucket which of its parameters a compiled graph runs on (for ``explain()``)."""
+    for buf, names in zip(buffers, reads):
+        buf.compiled_reads.update(names)
