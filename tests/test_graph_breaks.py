@@ -34,6 +34,15 @@ def _tokens(step: int, batch: int):
     return tokens, tokens
 
 
+def _checkpoint_breaks_the_graph() -> bool:
+    """transformers 5.25 (the first release measured so) changes a context variable inside its checkpointed layers,
+    which Dynamo refuses; 5.24's layers trace. A later release that changes this fails the test, on purpose."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.25")
+
+
 def _eager_lines(model) -> list[str]:
     """What explain() says of parameters outside the compiled graphs and of graph breaks."""
     text = fsdp_pass.explain(model, print_output=False).plan_text()
@@ -80,8 +89,11 @@ def test_graph_breaks_train_like_one_process():
         assert lines and lines[0].startswith("outside the compiled graphs"), (kind, lines)
         assert any(line.startswith("graph break") and words in line for line in lines[1:]), (kind, lines)
     checkpointed = results["hf skip=False"]["inspected"]
-    assert "model.layers.0.self_attn.q_proj.weight" in checkpointed[0], checkpointed
-    assert any("HOP: Unsafe side effect" in line and "skip_fwd_side_effects_in_bwd_under_checkpoint" in line
-               for line in checkpointed), checkpointed
+    if _checkpoint_breaks_the_graph():
+        assert checkpointed and "model.layers.0.self_attn.q_proj.weight" in checkpointed[0], checkpointed
+        assert any("HOP: Unsafe side effect" in line and "skip_fwd_side_effects_in_bwd_under_checkpoint" in line
+                   for line in checkpointed), checkpointed
+    else:  # Dynamo traces the checkpointed layers as they are
+        assert not checkpointed, checkpointed
     # Dynamo's switch traces the checkpointed layers: every parameter is read by a compiled graph
     assert not results["hf skip=True"]["inspected"], results["hf skip=True"]["inspected"]

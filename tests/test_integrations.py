@@ -4,7 +4,12 @@
 Each framework's own loop against one process on the same global batch: AdamW with clipping,
 gradient accumulation without per-micro-batch reduce-scatters, the framework's saves loaded into
 a plain model, and a resumed run that continues exactly. accelerate on 2 ranks runs with the
-step-boundary options on (``overlap_last_reduce``, ``prefetch_next_step``).
+step-boundary options on (``overlap_last_reduce``, ``prefetch_next_step``). Every sharded run uses
+Hugging Face gradient checkpointing (non-reentrant; one process runs without it: the same math):
+Lightning with the graph break transformers 5.25's checkpointed layers cause (they run through the
+eager path, and accumulate without reducing too), accelerate and the Trainer with Dynamo's switch that
+compiles them (``skip_fwd_side_effects_in_bwd_under_checkpoint``, the recipe in docs/integrations.md;
+accelerate's step-overlap options need the layers in the first graph).
 """
 
 from __future__ import annotations
@@ -82,9 +87,11 @@ def _accelerate(rank: int, world: int, port: int, tmp: str, mesh_shape: tuple[in
 
     from fsdp_pass.integrations.accelerate import prepare
 
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # compile the checkpointed layers
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
     assert dist.get_world_size() == world
     model = _hf_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     options = {"compiler": "aot_eager"}
     if step_overlap:
         options.update(overlap_last_reduce=True, prefetch_next_step=True, min_bucket_bytes=0)  # several buckets
@@ -182,6 +189,7 @@ def _lightning_module(batches: list[torch.Tensor]):
             self.model = _hf_llama()
 
         def configure_model(self) -> None:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             mesh = self.device_mesh["data_parallel"]
             fsdp_pass.fully_shard(self.model, mesh)  # fsdp_pass line 1
             self.model.compile(backend="vescale", options={"mesh": mesh, "compiler": "aot_eager"})  # fsdp_pass line 2
@@ -287,12 +295,14 @@ def _trainer_arguments(out: str, world: int, **overrides):
                     gradient_accumulation_steps=MICRO, learning_rate=LR, lr_scheduler_type="constant",
                     weight_decay=0.0, max_grad_norm=CLIP, num_train_epochs=1, logging_steps=1,
                     save_strategy="steps", save_steps=3, train_sampling_strategy="sequential", report_to="none",
-                    disable_tqdm=True, dataloader_num_workers=0, seed=0)
+                    disable_tqdm=True, dataloader_num_workers=0, seed=0, gradient_checkpointing=True,
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
     return TrainingArguments(**{**settings, **overrides})
 
 
 def _hf_trainer(rank: int, world: int, port: int, tmp: str) -> dict:
     set_launcher_env(rank, world, port)
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # compile the checkpointed layers
     import torch.distributed as dist
     from transformers import LlamaForCausalLM, TrainerCallback
 

@@ -27,7 +27,8 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=args.out, use_cpu=not torch.cuda.is_available(), per_device_train_batch_size=4,
         gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=1.0, logging_steps=5, save_steps=10,
-        max_steps=args.steps, report_to="none", disable_tqdm=True)
+        max_steps=args.steps, report_to="none", disable_tqdm=True, gradient_checkpointing=True)
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # speed: compile checkpointed layers
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))

@@ -346,6 +346,18 @@ class DBuffer:
             self._pending_config = config
         return self._pending
 
+    @torch.no_grad()
+    def add_pending(self, name: str, whole: torch.Tensor) -> None:
+        """Add an eager call's whole gradient of ``name`` (flat, summed over nothing yet) into the accumulated
+        bucket gradient, which the backward that syncs reduce-scatters once ([Note: gradient accumulation
+        without sync]; eager calls: [Note: eager calls on sharded parameters] in eager/calls.py)."""
+        leaf = self.pending_input(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
+        if leaf.grad is None:
+            leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        lo, hi = self.layout.global_range(name)
+        leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
+        _queue_flush(weakref.ref(self))
+
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
         leaf = pending_leaf(self, config)

@@ -21,7 +21,9 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds
   this rank's piece into the bucket's gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
   correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
-  once per bucket).
+  once per bucket). Under ``no_sync`` (or while the bucket holds an accumulated gradient) the whole
+  gradient is added into the bucket's pending gradient instead, which the step's last backward
+  reduce-scatters once with the compiled graphs' ([Note: gradient accumulation without sync]).
 
 A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
 torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the
@@ -73,12 +75,16 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     spec = buf.dtensor_specs.get(name)
     if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
         grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
+    buf.note_used([name])  # [Note: gradients of parameters a step does not use]
+    if buf.accumulating:  # no_sync, or a gradient already pending: reduced once, at the step's last backward
+        buf.add_pending(name, grad.detach().reshape(-1))
+        buf.attach_grads(buf.gradient_buffer(create=True))
+        return buf.wrap(name, torch.zeros_like(buf.local_piece(name)))
     whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
     for group in buf.mesh.data_parallel_groups():
         collectives.all_reduce_(whole, group)
     a, b = buf.layout.local_range(name, buf.rank)
     piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
-    buf.note_used([name])  # [Note: gradients of parameters a step does not use]
     buf.attach_grads(buf.gradient_buffer(create=True))
     return buf.wrap(name, piece)
 
