@@ -8,7 +8,10 @@ train different models. ``fsdp_pass.fully_shard(model)`` before compiling the bl
 (they then run through the eager path, eager/calls.py). To catch the case where nobody did,
 the first optimizer step that updates sharded parameters compares, once per optimizer, the
 gradients of its plain parameters across the data-parallel ranks: DDP or a manual all-reduce makes
-them agree; if they differ, every rank raises an error that names the parameter and the fix.
+them agree; if they differ, every rank raises an error that names the parameter and the fix. A model
+compiled whole never gets here: every parameter of a compiled module is sharded, read by a graph or not
+([Note: parameters no graph reads] in compile/passes/unread.py); only modules outside every compiled
+or sharded module do.
 """
 
 from __future__ import annotations
