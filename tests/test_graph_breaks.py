@@ -5,6 +5,12 @@ One process group runs every case: a block that breaks the graph with a ``print`
 ``torch.utils.checkpoint`` (aot_eager: the eager path is what these exercise), then Hugging Face
 gradient checkpointing under Inductor, with the graph break as it is and with Dynamo's switch that
 traces the checkpointed layers (``skip_fwd_side_effects_in_bwd_under_checkpoint``).
+
+In the graph-break model Dynamo gives up on the outer frame (the break is inside its loop over blocks),
+so its input layer runs eagerly before the first backend call shards it: the first step's gradient of
+that layer takes [Note: a parameter used before it was sharded]. The branch is not taken on the first
+step and every other one: its layer keeps ``.grad`` None then, which AdamW's weight decay would show
+([Note: gradients of parameters a step does not use]).
 """
 
 from __future__ import annotations
