@@ -29,7 +29,7 @@ def _fully_shard_then_compile(model: nn.Module, options: dict):
 
 
 def _per_block(model: nn.Module, options: dict):
-    fsdp_pass.fully_shard(model, min_bucket_bytes=0)  # a bucket per block, as docs/howto.md's per-block recipe says
+    fsdp_pass.fully_shard(model)  # default buckets: a small model's blocks share them with modules outside the block
     for block in model.blocks():
         block.compile(backend="vescale", options=options)
     return model
