@@ -18,6 +18,8 @@ from fsdp_pass.compile.passes.schedule import GATHER_CHAIN_OPS
 from fsdp_pass.tensor.ragged_tensor import bucket_of
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, lm_loss
 
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
+
 _c10d = torch.ops._c10d_functional
 _COPY_OPS = {torch.ops.aten.cat.default, torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
              torch.ops.aten.copy.default, torch.ops.aten.split_with_sizes_copy.default}

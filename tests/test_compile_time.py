@@ -10,6 +10,7 @@ import os
 import tempfile
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -20,6 +21,8 @@ from fsdp_pass.compile.backend import records
 from fsdp_pass.compile.shared_cache import compile_in_turn
 from fsdp_pass.testing.models import MLP, Block, Llama, LlamaConfig, lm_loss, random_tokens
 from fsdp_pass.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
 
 _c10d = torch.ops._c10d_functional
 _INVOKE = torch.ops.higher_order.invoke_subgraph

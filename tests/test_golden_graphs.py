@@ -6,6 +6,7 @@ Regenerate after an intended change with ``EXPECTTEST_ACCEPT=1 python -m pytest 
 from __future__ import annotations
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -13,6 +14,8 @@ import torch.nn as nn
 import fsdp_pass  # noqa: F401  (registers the backend)
 from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.fake_pg import fake_process_group
+
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
 
 
 class TwoLayer(nn.Module):

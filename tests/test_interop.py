@@ -32,6 +32,8 @@ from fsdp_pass.interop.state_dict import whole_tensor
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss, random_tokens
 from fsdp_pass.testing.spawn import run_distributed
 
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
+
 CFG = LlamaConfig(vocab=64, dim=32, ffn=48, heads=2, kv_heads=2, layers=2, seq=8)
 AOT = {"compiler": "aot_eager"}
 TOLERANCE = 1e-6  # relative, fp32 training after the call (one process sums the batch in another order)

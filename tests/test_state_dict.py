@@ -10,6 +10,8 @@ import fsdp_pass
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std
 
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
+
 
 def _worker(rank: int, world: int) -> None:
     original = init_std(Llama(LlamaConfig()), 0)

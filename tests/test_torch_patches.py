@@ -9,6 +9,7 @@ import inspect
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as torch_state_dict
@@ -18,6 +19,8 @@ from torch.distributed.tensor import DTensor
 import fsdp_pass
 from fsdp_pass.interop.torch_patches import install_full_state_dict_gather
 from fsdp_pass.tensor.ragged_tensor import RaggedLocalDTensor, RaggedShardTensor
+
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
 
 FULL = StateDictOptions(full_state_dict=True)
 
