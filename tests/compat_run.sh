@@ -2,29 +2,38 @@
 # The torch-internals subset of the suite (`pytest -m compat`) on a given torch release, in a fresh venv.
 #
 #   tests/compat_run.sh 2.15.0            # venv in a new temporary folder, removed afterwards
-#   tests/compat_run.sh 2.14.1 /tmp/venv  # venv kept at /tmp/venv (reused if it holds that release)
+#   tests/compat_run.sh newest            # the newest release the package registry serves
+#   tests/compat_run.sh 2.14.1 /tmp/venv  # venv kept at /tmp/venv (reused while it holds that release)
 #
-# pip runs with the caller's configuration: where a pip configuration caps torch below the release
-# asked for, lift it for this command (e.g. PIP_CONFIG_FILE=/dev/null). Extra pytest arguments go
-# in PYTEST_ARGS (default "-n 2 -q").
+# The package goes in without its own torch range, so a release past the range can be checked before
+# the range admits it. pip runs with the caller's configuration: where one caps torch below the release
+# asked for, lift it for this command (e.g. PIP_CONFIG_FILE=/dev/null). Extra pytest arguments go in
+# PYTEST_ARGS (default "-n 2 -q").
 set -euo pipefail
-release=${1:?usage: tests/compat_run.sh TORCH_RELEASE [VENV_DIR]}
+release=${1:?usage: tests/compat_run.sh TORCH_RELEASE|newest [VENV_DIR]}
 cd "$(dirname "$0")/.."
-if [ -n "${2:-}" ]; then
-  venv=$2
-else
-  tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
-  venv=$tmp/venv
+if [ "$release" = newest ]; then
+  release=$(pip index versions torch 2>/dev/null | sed -n 's/^torch (\(.*\))$/\1/p')
+  [ -n "$release" ] || { echo "could not read the newest torch release from the package registry" >&2; exit 1; }
 fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+venv=${2:-$tmp/venv}
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$release')" 2>/dev/null; then
   python -m venv "$venv"
-  # torch first, pinned: the test extras then find it installed and leave it.
   "$venv/bin/pip" install -q "torch==$release"
-  "$venv/bin/pip" install -q -e ".[test]" "torch==$release"
+  "$venv/bin/pip" install -q --no-deps -e .
+  # The package's other requirements and its test extras, read from pyproject.toml; torch stays pinned.
+  mapfile -t requirements < <("$venv/bin/python" -c '
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for r in project["dependencies"] + project["optional-dependencies"]["test"]:
+    if not r.startswith("torch") or r.startswith("torchtitan"):
+        print(r)')
+  "$venv/bin/pip" install -q "torch==$release" "${requirements[@]}"
 fi
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
-# The ranks' Inductor caches of this release stay apart from other releases'.
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
+# Inductor's cache of this run stays apart from other releases' and other runs'.
+export TORCHINDUCTOR_CACHE_DIR=$tmp/inductor
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pytest -m compat ${PYTEST_ARGS:--n 2 -q}
