@@ -3,7 +3,7 @@
 #
 #   tests/compat_run.sh 2.15.0            # venv in a new temporary folder, removed afterwards
 #   tests/compat_run.sh newest            # the newest release the package registry serves
-#   tests/compat_run.sh 2.14.1 /tmp/venv  # venv kept at /tmp/venv (reused while it holds that release)
+#   tests/compat_run.sh 2.14.1 /tmp/venv  # venv kept at /tmp/venv (its torch reused while it is that release)
 #
 # The package goes in without its own torch range, so a release past the range can be checked before
 # the range admits it. pip runs with the caller's configuration: where one caps torch below the release
@@ -22,16 +22,16 @@ venv=${2:-$tmp/venv}
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$release')" 2>/dev/null; then
   python -m venv "$venv"
   "$venv/bin/pip" install -q "torch==$release"
-  "$venv/bin/pip" install -q --no-deps -e .
-  # The package's other requirements and its test extras, read from pyproject.toml; torch stays pinned.
-  mapfile -t requirements < <("$venv/bin/python" -c '
+fi
+"$venv/bin/pip" install -q --no-deps -e .
+# The package's other requirements and its test extras, read from pyproject.toml; torch stays pinned.
+mapfile -t requirements < <("$venv/bin/python" -c '
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for r in project["dependencies"] + project["optional-dependencies"]["test"]:
     if not r.startswith("torch") or r.startswith("torchtitan"):
         print(r)')
-  "$venv/bin/pip" install -q "torch==$release" "${requirements[@]}"
-fi
+"$venv/bin/pip" install -q "torch==$release" "${requirements[@]}"
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 # Inductor's cache of this run stays apart from other releases' and other runs'.
 export TORCHINDUCTOR_CACHE_DIR=$tmp/inductor

@@ -17,6 +17,8 @@ from fsdp_pass.sharding.fsdp_module import FSDPPassModule
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor, bucket_of, is_sharded
 from fsdp_pass.testing.models import MLP
 
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
+
 
 def _nested() -> MLP:
     """An MLP with ``layers.0`` sharded by its own call, then the rest by the root's (FSDP2's bottom-up order)."""

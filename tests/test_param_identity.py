@@ -14,6 +14,8 @@ from fsdp_pass.testing.source_forms import SOURCE_FORMS
 from fsdp_pass.testing.spawn import run_distributed
 from parity import Case, run_case
 
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
+
 WORLD = 2
 TOLERANCE = 1e-5  # fp32, relative (Frobenius)
 
