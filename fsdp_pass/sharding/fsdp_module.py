@@ -197,6 +197,13 @@ _REFUSED = {
     "set_allocate_memory_from_process_group_for_comm": "collective buffers are allocated by the compiled graph",
     "set_symm_mem_for_comm": "collectives go through torch's functional collectives on the mesh's process group",
     "_set_unshard_async_op": "compiled graphs issue every all-gather asynchronously and wait where it is used",
+    # torch 2.15's FSDPModule adds these
+    "finalize_backward": "each compiled backward finishes its own reduce-scatters; there is no deferred "
+                         "end-of-backward work to run by hand",
+    "set_manual_backward_finalization": "each compiled backward finishes its own reduce-scatters; there is no "
+                                        "end-of-backward work to defer",
+    "set_keep_unsharded_storage": "compiled graphs free each gathered bucket after its last use (reshard_after_forward "
+                                  "decides whether backward gathers again)",
 }
 
 
@@ -215,6 +222,12 @@ def _refusing(name: str, reason: str) -> Callable[..., NoReturn]:
 
 for _name, _reason in _REFUSED.items():
     setattr(FSDPPassModule, _name, _refusing(_name, _reason))
+# A method a newer torch adds to FSDPModule would reach FSDP2's hook state, which a module sharded by fsdp_pass
+# does not have: refuse it too, until it is given a meaning here.
+for _name, _value in list(vars(FSDPModule).items()):
+    if callable(_value) and _name != "__new__" and _name not in vars(FSDPPassModule):
+        setattr(FSDPPassModule, _name, _refusing(_name, "this FSDPModule method is newer than the torch releases "
+                                                        "fsdp_pass was checked on and has no fsdp_pass meaning yet"))
 
 
 @functools.cache
