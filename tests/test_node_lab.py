@@ -51,6 +51,7 @@ def _send_times(rank: int, world: int, lab: NodeLab) -> dict:
     for name, collective in collectives.items():
         dist.barrier()
         before = lab.sent_from_here(rank // 2)
+        dist.barrier()  # no rank sends before every reader has its "before"
         collective()
         dist.barrier()
         sent[name] = lab.sent_from_here(rank // 2) - before
