@@ -135,3 +135,120 @@ def test_options_table_lists_every_option_with_its_default():
             wrong.append(f"{name}: default is `{default!r}`, the table says {cell}")
     wrong += [f"{name}: a row, but no such option" for name in sorted(set(rows) - set(option_defaults()))]
     assert not wrong, "docs/options.md's table and fsdp_pass/options.py differ:\n" + "\n".join(wrong)
+
+
+# -- commands the docs show -------------------------------------------------------------------------
+
+COMMAND = re.compile(r"(?:\$ )?((?:python -m fsdp_pass|python (?:benchmarks|examples)/\w+\.py|torchrun)(?:\s.*)?)$")
+
+
+def doc_commands(path: pathlib.Path) -> list[tuple[str, bool]]:
+    """The commands ``path`` shows: (command, written out in a code block) for each line of a fenced
+    block (continuations joined, ``$VAR`` set earlier in the block substituted, comments dropped) and
+    each inline code span that is one."""
+    found = []
+    text = path.read_text()
+    for block in FENCE.finditer(text):
+        assigned: dict[str, str] = {}
+        for line in re.sub(r"\\\n\s*", " ", block.group(0)).splitlines()[1:-1]:
+            line = line.strip()
+            if re.fullmatch(r"\w+=\S+", line):
+                name, _, value = line.partition("=")
+                assigned[name] = value
+            match = COMMAND.match(line)
+            if match:
+                command = re.sub(r"\$(\w+)", lambda m: assigned.get(m.group(1), m.group(0)), match.group(1))
+                found.append((command, True))
+    for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", FENCE.sub("", text)):
+        match = COMMAND.match(" ".join(span.split()))
+        if match:
+            found.append((match.group(1), False))
+    return found
+
+
+@contextlib.contextmanager
+def _isolated_import():
+    """Import scripts without keeping what they set: environment, ``sys.path``, top-level modules of
+    benchmarks/ and examples/."""
+    environ, path, modules = dict(os.environ), list(sys.path), set(sys.modules)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if file.startswith((str(ROOT / "benchmarks"), str(ROOT / "examples"))):
+                del sys.modules[name]
+
+
+def script_parser(script: str):
+    """A function that parses ``script``'s arguments as the script does (its ``parse_args`` where it has
+    one, else its ``build_parser()``), the script imported, not run."""
+    if script == "fsdp_pass":
+        from fsdp_pass.plan.cli import build_parser
+
+        return build_parser().parse_args
+    path = ROOT / script
+    assert path.is_file(), f"no script {script}"
+    with _isolated_import():
+        sys.path.insert(0, str(path.parent))  # as `python script` puts it
+        spec = importlib.util.spec_from_file_location(f"_doc_script_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+        spec.loader.exec_module(module)
+    if hasattr(module, "parse_args"):
+        return module.parse_args
+    assert hasattr(module, "build_parser"), f"{script} has no build_parser() to check its command lines with"
+    return module.build_parser().parse_args
+
+
+def command_errors(command: str, in_block: bool, parsers: dict) -> str | None:
+    """What is wrong with ``command`` (None: it parses). A command named in prose without any flag
+    (``python -m fsdp_pass plan``) may leave out required arguments."""
+    tokens = shlex.split(command, comments=True)
+    if tokens[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        launched = _parse(get_args_parser().parse_args, tokens[1:])
+        if isinstance(launched, str):
+            return _unless_named_only(launched, tokens[1:], in_block)
+        if launched.module or not launched.training_script.startswith(("examples/", "benchmarks/")):
+            return None  # a module of another package: torchrun's own flags checked
+        script, args = launched.training_script, launched.training_script_args
+    elif tokens[:3] == ["python", "-m", "fsdp_pass"]:
+        script, args = "fsdp_pass", tokens[3:]
+    else:
+        script, args = tokens[1], tokens[2:]
+    if script not in parsers:
+        parsers[script] = script_parser(script)
+    error = _parse(parsers[script], args)
+    return _unless_named_only(error, args, in_block) if isinstance(error, str) else None
+
+
+def _unless_named_only(error: str, args: list[str], in_block: bool) -> str | None:
+    named_only = not in_block and "required" in error and not any(a.startswith("-") for a in args)
+    return None if named_only else error
+
+
+def _parse(parse, args: list[str]):
+    """``parse(args)``, or argparse's error message; ``--help`` is fine."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return parse(args)
+    except SystemExit as e:
+        return None if e.code == 0 else err.getvalue().strip().splitlines()[-1]
+
+
+def test_every_command_in_the_docs_parses():
+    parsers: dict = {}
+    commands = [(path, command, in_block) for path in DOCS for command, in_block in doc_commands(path)]
+    assert len(commands) > 40, "the command scan found too few commands: is COMMAND still right?"
+    wrong = []
+    for path, command, in_block in commands:
+        error = command_errors(command, in_block, parsers)
+        if error:
+            wrong.append(f"{path.relative_to(ROOT)}: {command}\n    {error}")
+    assert not wrong, "commands in the docs that do not parse:\n" + "\n".join(wrong)
