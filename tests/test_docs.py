@@ -155,7 +155,7 @@ def doc_commands(path: pathlib.Path) -> list[tuple[str, bool]]:
             if re.fullmatch(r"\w+=\S+", line):
                 name, _, value = line.partition("=")
                 assigned[name] = value
-            match = COMMAND.match(line)
+            match = COMMAND.match(line.split(" | ")[0])
             if match:
                 command = re.sub(r"\$(\w+)", lambda m: assigned.get(m.group(1), m.group(0)), match.group(1))
                 found.append((command, True))
@@ -252,3 +252,77 @@ def test_every_command_in_the_docs_parses():
         if error:
             wrong.append(f"{path.relative_to(ROOT)}: {command}\n    {error}")
     assert not wrong, "commands in the docs that do not parse:\n" + "\n".join(wrong)
+
+
+# -- docs/cli.md's samples are the command line's output --------------------------------------------
+
+CLI_DOC = ROOT / "docs" / "cli.md"
+# A sample: a fenced block whose first line is ``$ python -m fsdp_pass ...`` (optionally piped into
+# ``head -n N`` or ``grep -A N PATTERN``), the rest its output.
+SAMPLE = re.compile(r"^```\n\$ (python -m fsdp_pass [^\n|]*?)((?: \| [^\n]*)?)\n(.*?)^```$", re.M | re.S)
+_TIMING = re.compile(r"(planned in )[\d.]+( s)")  # the one line that differs between runs
+
+_RUN_SAMPLES = """
+import contextlib, io, json, sys
+from fsdp_pass.plan.cli import main
+out = {}
+for args in json.loads(sys.argv[1]):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(args)
+    out[" ".join(args)] = printed.getvalue()
+print(json.dumps(out))
+"""
+
+
+def _pipe(text: str, pipeline: str) -> str:
+    """``text`` through the ``| head -n N`` or ``| grep -A N PATTERN`` a sample shows."""
+    for stage in filter(None, (s.strip() for s in pipeline.split("|"))):
+        tokens = shlex.split(stage)
+        lines = text.splitlines()
+        if tokens[:2] == ["head", "-n"]:
+            lines = lines[: int(tokens[2])]
+        elif tokens[:2] == ["grep", "-A"]:
+            first = next(i for i, line in enumerate(lines) if tokens[3] in line)
+            lines = lines[first: first + int(tokens[2]) + 1]
+        else:
+            raise AssertionError(f"a sample pipes into {stage!r}: only head -n and grep -A are replayed")
+        text = "\n".join(lines) + "\n"
+    return text
+
+
+def cli_samples(text: str, workdir: pathlib.Path) -> list[tuple[re.Match, str]]:
+    """Each sample of ``text`` with the output the command line gives today. Commands run in one fresh
+    process in ``workdir`` (``explain`` first: its graphs name process group 0); a ``--model
+    module:factory`` whose module the page shows as the ``python`` block just before is written there."""
+    samples = list(SAMPLE.finditer(text))
+    commands = sorted({tuple(shlex.split(m.group(1))[3:]) for m in samples}, key=lambda args: args[0] != "explain")
+    for match in samples:
+        args = shlex.split(match.group(1))
+        model = args[args.index("--model") + 1] if "--model" in args else ""
+        if ":" in model:
+            source = re.findall(r"```python\n(.*?)```", text[: match.start()], re.S)[-1]
+            (workdir / f"{model.split(':')[0]}.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(workdir), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _RUN_SAMPLES, json.dumps(commands)], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = json.loads(done.stdout)
+    return [(m, _pipe(outputs[" ".join(shlex.split(m.group(1))[3:])], m.group(2))) for m in samples]
+
+
+def test_cli_samples_are_the_cli_output(tmp_path):
+    """EXPECTTEST_ACCEPT=1 writes today's output into docs/cli.md instead of failing."""
+    text = CLI_DOC.read_text()
+    samples = cli_samples(text, tmp_path)
+    assert len(samples) >= 3, "docs/cli.md has fewer samples than it had (plan, your own model, explain)"
+    if os.environ.get("EXPECTTEST_ACCEPT") == "1":
+        for match, output in reversed(samples):
+            start, end = match.span(3)
+            text = text[:start] + output + text[end:]
+        CLI_DOC.write_text(text)
+        return
+    stale = [f"$ {m.group(1)}{m.group(2)}\n--- docs/cli.md\n{m.group(3)}--- today\n{out}" for m, out in samples
+             if _TIMING.sub(r"\1…\2", m.group(3)) != _TIMING.sub(r"\1…\2", out)]
+    assert not stale, ("docs/cli.md's samples differ from the command line's output (EXPECTTEST_ACCEPT=1 "
+                       "python -m pytest tests/test_docs.py -k cli_samples rewrites them):\n" + "\n".join(stale))
