@@ -326,3 +326,14 @@ def test_cli_samples_are_the_cli_output(tmp_path):
              if _TIMING.sub(r"\1…\2", m.group(3)) != _TIMING.sub(r"\1…\2", out)]
     assert not stale, ("docs/cli.md's samples differ from the command line's output (EXPECTTEST_ACCEPT=1 "
                        "python -m pytest tests/test_docs.py -k cli_samples rewrites them):\n" + "\n".join(stale))
+
+
+def test_cli_flags_table_lists_every_plan_flag():
+    from fsdp_pass.plan.cli import build_parser
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    flags = {s for action in plan._actions for s in action.option_strings if s.startswith("--") and s != "--help"}
+    rows = [line for line in FENCE.sub("", CLI_DOC.read_text()).splitlines() if line.startswith("| `--")]
+    listed = {flag for row in rows for flag in re.findall(r"`(--[\w-]+)", row.split(" | ")[0])}
+    assert flags <= listed, f"plan flags missing from docs/cli.md's table: {sorted(flags - listed)}"
+    assert listed <= flags, f"docs/cli.md's table lists flags plan does not have: {sorted(listed - flags)}"
