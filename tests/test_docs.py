@@ -337,3 +337,143 @@ def test_cli_flags_table_lists_every_plan_flag():
     listed = {flag for row in rows for flag in re.findall(r"`(--[\w-]+)", row.split(" | ")[0])}
     assert flags <= listed, f"plan flags missing from docs/cli.md's table: {sorted(flags - listed)}"
     assert listed <= flags, f"docs/cli.md's table lists flags plan does not have: {sorted(listed - flags)}"
+
+
+# -- docs/torch_changes.md lists what fsdp_pass changes in torch ------------------------------------
+
+TORCH_CHANGES = ROOT / "docs" / "torch_changes.md"
+
+# Run in a fresh process: import every module of the package (integrations aside: other frameworks),
+# do what the test kit does in every rank it starts, compile and step a model with the options that
+# install hooks, shard a tensor-parallel model; then find every object of the package that torch's
+# modules, their classes (and instances those hold) or their containers refer to.
+_SCAN_TORCH = """
+import functools, importlib, inspect, json, pathlib, pkgutil, sys, warnings
+warnings.simplefilter("ignore")
+import torch, torch.nn as nn
+import fsdp_pass
+from fsdp_pass.testing.fake_pg import fake_process_group
+from fsdp_pass.testing.inductor_cache import compile_each_graph_once
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+PACKAGE = pathlib.Path(fsdp_pass.__file__).parent
+for info in pkgutil.walk_packages(fsdp_pass.__path__, "fsdp_pass."):
+    if info.name != "fsdp_pass.__main__" and not info.name.startswith("fsdp_pass.integrations"):
+        importlib.import_module(info.name)
+compile_each_graph_once()  # what every rank of fsdp_pass.testing.spawn runs first
+with fake_process_group(2):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend="vescale", options={
+        "compiler": "aot_eager", "min_bucket_bytes": 0, "overlap_last_reduce": True, "step_reduced_first": True,
+        "prefetch_next_step": True})
+    for _ in range(2):
+        compiled(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+with fake_process_group(4):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fsdp_pass.fully_shard(tp, mesh, shard_dim="dp")
+
+
+def owner(obj):
+    for _ in range(4):
+        if isinstance(obj, (staticmethod, classmethod)) or inspect.ismethod(obj):
+            obj = obj.__func__
+        elif isinstance(obj, functools.partial):
+            obj = obj.func
+    if inspect.isfunction(obj):
+        path = pathlib.Path(obj.__code__.co_filename)
+    elif isinstance(obj, type):
+        path = pathlib.Path(getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")
+    else:
+        return None
+    return path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else None
+
+
+def contents(value):
+    if isinstance(value, dict):
+        return [*value.keys(), *value.values()]
+    return list(value) if isinstance(value, (list, tuple, set, frozenset)) else []
+
+
+found = {}  # the changed object (a container, or an attribute of its holder) -> [locations, owners]
+
+
+def check(location, value, holder):
+    own = owner(value)
+    owners = {own} if own else {owner(item) for item in contents(value)} - {None}
+    if owners:
+        key = (id(holder), location.rsplit(".", 1)[1]) if own else id(value)
+        entry = found.setdefault(key, [set(), set()])
+        entry[0].add(location)
+        entry[1] |= owners
+
+
+for name, module in list(sys.modules.items()):
+    if not name.startswith("torch") or module is None:
+        continue
+    for attr, value in list(vars(module).items()):
+        check(f"{name}.{attr}", value, module)
+        if isinstance(value, type) and value.__module__ == name:
+            for cattr, cvalue in list(vars(value).items()):
+                check(f"{name}.{attr}.{cattr}", cvalue, value)
+                if hasattr(cvalue, "__dict__") and not callable(cvalue) and not inspect.ismodule(cvalue):
+                    for iattr, ivalue in list(vars(cvalue).items()):
+                        check(f"{name}.{attr}.{cattr}.{iattr}", ivalue, cvalue)
+ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fsdp_pass::"))
+print(json.dumps({"changes": sorted([sorted(l), sorted(o)] for l, o in found.values()), "ops": ops}))
+"""
+
+
+def torch_config_changes() -> dict[str, set[str]]:
+    """From the package's sources: the torch config keys set inside ``config.patch(...)`` (scoped) and
+    assigned to a ``...config.<key>`` attribute (process-wide)."""
+    changes: dict[str, set[str]] = {"scoped": set(), "process-wide": set()}
+    for path in (ROOT / "fsdp_pass").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "patch" \
+                    and ast.unparse(node.func.value).endswith("config"):
+                changes["scoped"] |= {f"{ast.unparse(node.func.value)}.{k.arg}" for k in node.keywords}
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and ast.unparse(target.value).startswith("torch") \
+                            and ast.unparse(target.value).endswith("config"):
+                        changes["process-wide"].add(ast.unparse(target))
+    return changes
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end > 0 else len(text)]
+
+
+def test_torch_changes_lists_every_change_fsdp_pass_makes():
+    """Every torch attribute, registry, hook table that holds something of the package after using it
+    is named on a line of docs/torch_changes.md together with the package file that puts it there
+    (``optimizer._global_optimizer_pre_hooks`` ... ``step/sync_check.py``); every custom op and every
+    torch config setting the sources change, scoped or process-wide, in its section."""
+    done = subprocess.run([sys.executable, "-c", _SCAN_TORCH], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    scan = json.loads(done.stdout.splitlines()[-1])
+    text = TORCH_CHANGES.read_text()
+    lines = text.splitlines()
+    assert len(scan["changes"]) >= 10 and len(scan["ops"]) >= 10, f"the scan found too little: {scan}"
+    missing = []
+    for locations, owners in scan["changes"]:
+        names = {".".join(loc.split(".")[-2:]) for loc in locations}
+        for own in owners:
+            if not any(own in line and any(name in line for name in names) for line in lines):
+                missing.append(f"{' / '.join(sorted(names))} (from fsdp_pass/{own})")
+    missing += [f"custom op fsdp_pass::{op}" for op in scan["ops"] if f"`{op}`" not in text]
+    configs = torch_config_changes()
+    assert configs["scoped"] and configs["process-wide"], f"the config scan found too little: {configs}"
+    for kind, heading in (("scoped", "Scoped settings"), ("process-wide", "Process-wide settings")):
+        section = _section(text, heading)
+        missing += [f"{kind} setting {key}" for key in sorted(configs[kind]) if f"`{key}`" not in section]
+    assert not missing, "docs/torch_changes.md does not list:\n" + "\n".join(missing)
