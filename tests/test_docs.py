@@ -477,3 +477,13 @@ def test_torch_changes_lists_every_change_fsdp_pass_makes():
         section = _section(text, heading)
         missing += [f"{kind} setting {key}" for key in sorted(configs[kind]) if f"`{key}`" not in section]
     assert not missing, "docs/torch_changes.md does not list:\n" + "\n".join(missing)
+
+
+def test_readme_results_table_is_six_one_line_rows_each_linked():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Results"):text.index("## Documentation")]
+    rows = [line for line in section.splitlines() if line.startswith("| [")]
+XX
+    for row in rows:
+        assert len(row) <= 200, f"README results row longer than one line: {row}"
+        assert re.search(r"\]\([\w./-]+(#[\w-]+)?\)", row) and re.search(r"\d", row), row
