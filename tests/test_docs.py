@@ -483,7 +483,8 @@ def test_readme_results_table_is_six_one_line_rows_each_linked():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Results"):text.index("## Documentation")]
     rows = [line for line in section.splitlines() if line.startswith("| [")]
-XX
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert 1 <= len(rows) <= 6 and len(rows) == len(table) - 2, "README's results: at most six rows, each linked"
     for row in rows:
         assert len(row) <= 200, f"README results row longer than one line: {row}"
         assert re.search(r"\]\([\w./-]+(#[\w-]+)?\)", row) and re.search(r"\d", row), row
