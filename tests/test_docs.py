@@ -488,3 +488,14 @@ def test_readme_results_table_is_six_one_line_rows_each_linked():
     for row in rows:
         assert len(row) <= 200, f"README results row longer than one line: {row}"
         assert re.search(r"\]\([\w./-]+(#[\w-]+)?\)", row) and re.search(r"\d", row), row
+
+
+def test_concepts_rooms_table_is_the_structure_tests_rooms_in_order():
+    spec = importlib.util.spec_from_file_location("_structure", ROOT / "tests" / "test_structure.py")
+    structure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(structure)
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    table = text[text.index("| room | the idea | may import |"):].split("\n\n")[0].splitlines()[2:]
+    rooms = [re.match(r"\| (?:`(\w+)/`|(\w+):)", row).group(1) or re.match(r"\| (\w+):", row).group(1)
+             for row in table]
+    assert rooms == structure.ROOMS, f"docs/concepts.md's rooms {rooms} are not tests/test_structure.py's {structure.ROOMS}"
