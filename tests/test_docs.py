@@ -183,13 +183,24 @@ def _isolated_import():
                 del sys.modules[name]
 
 
+def _exact(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` and its subcommands' parsers taking flags only as written in full (argparse would take
+    ``--model`` for ``--models``)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _exact(sub)
+    return parser
+
+
 def script_parser(script: str):
     """A function that parses ``script``'s arguments as the script does (its ``parse_args`` where it has
-    one, else its ``build_parser()``), the script imported, not run."""
+    one, else its ``build_parser()``), flags written in full, the script imported, not run."""
     if script == "fsdp_pass":
         from fsdp_pass.plan.cli import build_parser
 
-        return build_parser().parse_args
+        return _exact(build_parser()).parse_args
     path = ROOT / script
     assert path.is_file(), f"no script {script}"
     with _isolated_import():
@@ -198,10 +209,10 @@ def script_parser(script: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while it runs
         spec.loader.exec_module(module)
-    if hasattr(module, "parse_args"):
-        return module.parse_args
     assert hasattr(module, "build_parser"), f"{script} has no build_parser() to check its command lines with"
-    return module.build_parser().parse_args
+    build = module.build_parser
+    module.build_parser = lambda: _exact(build())  # what the script's own parse_args builds
+    return getattr(module, "parse_args", lambda args: module.build_parser().parse_args(args))
 
 
 def command_errors(command: str, in_block: bool, parsers: dict) -> str | None:
@@ -211,7 +222,7 @@ def command_errors(command: str, in_block: bool, parsers: dict) -> str | None:
     if tokens[0] == "torchrun":
         from torch.distributed.run import get_args_parser
 
-        launched = _parse(get_args_parser().parse_args, tokens[1:])
+        launched = _parse(_exact(get_args_parser()).parse_args, tokens[1:])
         if isinstance(launched, str):
             return _unless_named_only(launched, tokens[1:], in_block)
         if launched.module or not launched.training_script.startswith(("examples/", "benchmarks/")):
