@@ -139,7 +139,7 @@ def test_options_table_lists_every_option_with_its_default():
 
 # -- commands the docs show -------------------------------------------------------------------------
 
-COMMAND = re.compile(r"(?:\$ )?((?:python -m fsdp_pass|python (?:benchmarks|examples)/\w+\.py|torchrun)(?:\s.*)?)$")
+COMMAND = re.compile(r"(?:\$ )?(?:\w+=\S+ )*((?:python -m fsdp_pass|python (?:benchmarks|examples)/\w+\.py|torchrun)(?:\s.*)?)$")
 
 
 def doc_commands(path: pathlib.Path) -> list[tuple[str, bool]]:
