@@ -1,8 +1,9 @@
 """The docs say what the code does: links resolve, commands parse, CLI samples are the CLI's output, the
 options table is the ``Options`` fields, docs/torch_changes.md lists what fsdp_pass changes in torch.
 
-Cheap and without process groups (the CLI samples and the torch-change scan run in one subprocess
-each). ``EXPECTTEST_ACCEPT=1`` rewrites docs/cli.md's samples from the code, as expecttest does.
+No spawned ranks: the CLI samples and the torch-change scan each run in one fresh process on a fake
+process group, the rest reads files and builds argument parsers. ``EXPECTTEST_ACCEPT=1`` rewrites
+docs/cli.md's samples from the code, as expecttest does.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ import re
 import shlex
 import subprocess
 import sys
-import textwrap
-
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
