@@ -422,6 +422,14 @@ def check(location, value, holder):
         entry[1] |= owners
 
 
+def instance_vars(value):  # the attributes of an instance a torch class holds (a dispatcher), else none
+    try:
+        plain = not isinstance(value, type) and not callable(value) and not inspect.ismodule(value)
+        return list(vars(value).items()) if plain else []
+    except Exception:  # no __dict__, or a lazy object that refuses to be looked at
+        return []
+
+
 for name, module in list(sys.modules.items()):
     if not name.startswith("torch") or module is None:
         continue
@@ -430,9 +438,8 @@ for name, module in list(sys.modules.items()):
         if isinstance(value, type) and value.__module__ == name:
             for cattr, cvalue in list(vars(value).items()):
                 check(f"{name}.{attr}.{cattr}", cvalue, value)
-                if hasattr(cvalue, "__dict__") and not callable(cvalue) and not inspect.ismodule(cvalue):
-                    for iattr, ivalue in list(vars(cvalue).items()):
-                        check(f"{name}.{attr}.{cattr}.{iattr}", ivalue, cvalue)
+                for iattr, ivalue in instance_vars(cvalue):
+                    check(f"{name}.{attr}.{cattr}.{iattr}", ivalue, cvalue)
 ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fsdp_pass::"))
 print(json.dumps({"changes": sorted([sorted(l), sorted(o)] for l, o in found.values()), "ops": ops}))
 """
