@@ -515,3 +515,22 @@ def test_concepts_rooms_table_is_the_structure_tests_rooms_in_order():
     rooms = [re.match(r"\| (?:`(\w+)/`|(\w+):)", row).group(1) or re.match(r"\| (\w+):", row).group(1)
              for row in table]
     assert rooms == structure.ROOMS, f"docs/concepts.md's rooms {rooms} are not tests/test_structure.py's {structure.ROOMS}"
+
+
+def test_options_docstring_states_the_real_defaults():
+    """Where ``Options``' docstring says ``(default X`` with X a literal, X is the field's default (a
+    default of None is said in words there too)."""
+    from fsdp_pass.options import Options
+
+    entries = dict(re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", Options.__doc__, re.M | re.S))
+    assert set(entries) == set(option_defaults()), "Options' docstring documents each option once"
+    wrong = []
+    for name, default in option_defaults().items():
+        said = re.search(r"\(default:? ([^\s,;)]+)", " ".join(entries[name].split()))
+        try:
+            literal = ast.literal_eval(said.group(1).strip(":`")) if said else None
+        except (ValueError, SyntaxError):
+            continue  # said in words
+        if said and literal != default:
+            wrong.append(f"{name}: the docstring says default {said.group(1)}, the field's default is {default!r}")
+    assert not wrong, "\n".join(wrong)
