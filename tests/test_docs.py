@@ -109,9 +109,10 @@ def option_defaults() -> dict[str, object]:
 
     defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 for f in dataclasses.fields(Options)}
-    assert defaults.pop("param_dtype") is None and defaults.pop("reduce_dtype") is None
+    # fields made from other options: the two dtypes from mp_policy, inductor from mode and Inductor keys
+    assert (defaults.pop("param_dtype"), defaults.pop("reduce_dtype"), defaults.pop("inductor")) == (None, None, {})
     defaults["mp_policy"] = None
-    assert set(defaults) == set(Options._NAMES)
+    assert set(defaults) == set(Options._NAMES), "a field of Options that is not an option: say here what makes it"
     return defaults
 
 
@@ -523,7 +524,7 @@ def test_options_docstring_states_the_real_defaults():
     from fsdp_pass.options import Options
 
     entries = dict(re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", Options.__doc__, re.M | re.S))
-    assert set(entries) == set(option_defaults()), "Options' docstring documents each option once"
+    assert set(option_defaults()) <= set(entries), "Options' docstring documents each option"
     wrong = []
     for name, default in option_defaults().items():
         said = re.search(r"\(default:? ([^\s,;)]+)", " ".join(entries[name].split()))
