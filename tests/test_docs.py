@@ -447,20 +447,37 @@ print(json.dumps({"changes": sorted([sorted(l), sorted(o)] for l, o in found.val
 
 
 def torch_config_changes() -> dict[str, set[str]]:
-    """From the package's sources: the torch config keys set inside ``config.patch(...)`` (scoped) and
-    assigned to a ``...config.<key>`` attribute (process-wide)."""
+    """From the package's sources: the torch config keys set inside ``config.patch(...)`` or Inductor's
+    ``compile_fx(config_patches={...})`` (scoped), and assigned to a ``...config.<key>`` attribute
+    (process-wide)."""
     changes: dict[str, set[str]] = {"scoped": set(), "process-wide": set()}
     for path in (ROOT / "fsdp_pass").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "patch" \
                     and ast.unparse(node.func.value).endswith("config"):
                 changes["scoped"] |= {f"{ast.unparse(node.func.value)}.{k.arg}" for k in node.keywords}
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                changes["scoped"] |= {f"torch._inductor.config.{key}" for key in _config_patch_keys(node)}
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Attribute) and ast.unparse(target.value).startswith("torch") \
                             and ast.unparse(target.value).endswith("config"):
                         changes["process-wide"].add(ast.unparse(target))
     return changes
+
+
+def _config_patch_keys(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The literal keys of the dicts ``function`` hands Inductor as ``config_patches=`` (directly, or
+    through a name it assigned)."""
+    assigned = {target.id: node.value for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)}
+    keys = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.keyword) and node.arg == "config_patches":
+            value = assigned.get(node.value.id, node.value) if isinstance(node.value, ast.Name) else node.value
+            keys |= {key.value for d in ast.walk(value) if isinstance(d, ast.Dict)
+                     for key in d.keys if isinstance(key, ast.Constant)}
+    return keys
 
 
 def _section(text: str, heading: str) -> str:
