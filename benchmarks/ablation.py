@@ -305,7 +305,8 @@ def print_table(rows: list[dict]) -> str:
     return text
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2])
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
@@ -314,7 +315,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=15, help="timed steps (median)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
     p.add_argument("--out", type=Path, default=RESULTS / "ablation.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.layouts[0] != "planned":
         args.layouts = ["planned"] + [l for l in args.layouts if l != "planned"]
     cfg = {"optimizers": args.optimizers, "layouts": args.layouts, "warmup": args.warmup, "steps": args.steps}

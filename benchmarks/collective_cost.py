@@ -65,12 +65,17 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return mean_t - slope * mean_b, 1 / slope
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=str(HERE / "results" / "collective_cost.json"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_distributed(_measure, args.world_size, args.iters, pin_cores=True, timeout=900)
     slowest = {b: {k: max(r[b][k] for r in results) for k in results[0][b]} for b in results[0]}

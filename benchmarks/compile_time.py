@@ -136,7 +136,8 @@ def _print(rows: list[dict], title: str) -> None:
               f"{r['slowest_rank_compile']:8.1f} " + " ".join(f"{r[p]:9.1f}" for p in PARTS))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="*", default=[2, 8, 16, 32])
     ap.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
@@ -147,7 +148,11 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=None, metavar="LAYERS",
                     help="fsdp_pass at this depth launched twice on one cache (cold, then warm)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile_time.json")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     result: dict = {"meta": {"torch": torch.__version__, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}}
 
     depth = [measure(s, "llama", n, a.world) for n in a.layers for s in a.systems]

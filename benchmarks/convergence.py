@@ -122,7 +122,8 @@ def plot(runs: dict[str, dict], summary: dict, world: int, out: Path, title: str
     print(f"wrote {out}")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS + ("sgd",))
     p.add_argument("--steps", type=int, default=200)
@@ -137,7 +138,11 @@ def main(argv=None) -> None:
     p.add_argument("--log-dir", type=Path, default=RESULTS / "convergence")
     p.add_argument("--out", type=Path, default=RESULTS / "convergence.json")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "convergence.png")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     runs: dict[str, dict] = {}

@@ -56,14 +56,19 @@ def plot(full: list[float], fp8: list[float], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--compiler", choices=("aot_eager", "inductor"), default="aot_eager")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=RESULTS / "fp8_convergence.json")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "fp8_convergence.png")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     log_dir = RESULTS / "fp8_convergence"
     log_dir.mkdir(parents=True, exist_ok=True)
     full, fp8 = run(False, args, log_dir), run(True, args, log_dir)

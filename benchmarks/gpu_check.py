@@ -118,7 +118,8 @@ def _numerics(base: nn.Module, args, device: str) -> dict:
     return {"loss_rel": rel(losses[1], losses[0]), "grad_rel": max(rel(a, b) for a, b in zip(grads[1], grads[0]))}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dim", type=int, default=2048)
@@ -130,7 +131,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     device = args.device
     if device == "cuda":

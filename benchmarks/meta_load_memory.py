@@ -126,7 +126,8 @@ def _worker(rank: int, world: int, path: str, args) -> dict:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -135,7 +136,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--json", default="meta_load_memory.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import transformers
 

@@ -146,7 +146,8 @@ def table(rows: list[dict], reference: str, best_of: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[100, 400, 1600], help="link rates, Mbit/s")
     ap.add_argument("--systems", default=",".join(SYSTEM_KEYS), help="comma-separated keys of _systems.SYSTEMS")
@@ -157,7 +158,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per system per round")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "node_link.json")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     reason = unavailable()
     if reason:
         print(f"node_link: {reason}")

@@ -167,7 +167,8 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:8.3f}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--node-size", type=int, default=2)
@@ -180,7 +181,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "results" / "node_traffic.json"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cfg = {k: getattr(args, k) for k in ("dim", "ffn", "layers", "heads", "vocab", "seq", "batch", "warmup")}
     cfg.update(node_size=args.node_size, settings=[True, args.node_size, False])

@@ -277,13 +277,18 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
     ap.add_argument("--world-sizes", default=None, help="comma-separated FSDP sizes (default 8,16,...,16384)")
     ap.add_argument("--quick", action="store_true", help=f"only FSDP sizes {','.join(map(str, QUICK_WORLD_SIZES))}")
     ap.add_argument("--out-dir", default=str(HERE / "results"), help="where padding.json / padding.png go")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:

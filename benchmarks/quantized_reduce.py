@@ -180,7 +180,8 @@ def _plot(runs: dict, seeds: int, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("error", "bytes", "convergence"), default=None)
     p.add_argument("--world-size", type=int, default=4)
@@ -191,7 +192,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=HERE / "results" / "quantized_reduce.json")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "quantized_reduce_convergence.png")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["date"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -371,7 +371,8 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(BUILDERS))
     parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
@@ -380,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-size", type=int, default=None, help="options['bucket_size'] (elements)")
     parser.add_argument("--limit", type=float, default=LIMIT_S, help="seconds allowed for the passes (default 60)")
     parser.add_argument("--out", default=str(HERE / "results" / "scale.json"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     options = {"mp_policy": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
                "bucket_size": args.bucket_size}

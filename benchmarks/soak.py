@@ -34,13 +34,18 @@ def resident_bytes() -> int:
     return 0
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--compiler", choices=["inductor", "aot_eager"], default="aot_eager")
     parser.add_argument("--out", default="benchmarks/results/soak.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -659,7 +659,8 @@ def result_stem(a: argparse.Namespace, name: str) -> Path:
     return stem
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (tests/test_docs.py builds it to check the commands the docs show)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     ap.add_argument("--world-size", type=int, default=2)
@@ -692,7 +693,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-sweep", action="store_true",
                     help=f"run only {OURS} at several bucket granularities (whole model ... quarter units) and "
                          f"report exposed communication per setting (benchmarks/results/bucket_sweep[_<model>].*)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     if a.replot:
         data = json.loads(a.replot.read_text())
         m = data["meta"]

@@ -302,7 +302,8 @@ def mib(b: float) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; :func:`parse_args` also fills in the derived defaults and checks the model shape."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -363,6 +364,11 @@ def parse_args(argv=None):
     o.add_argument("--prompt", default="def ", help="what the generated sample continues")
     o.add_argument("--log-json", default=None, metavar="PATH",
                    help="rank 0 writes the RESULT json plus every step's loss ('losses') and the arguments here")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = max(1, args.heads // 2)

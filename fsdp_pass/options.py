@@ -188,8 +188,8 @@ class Options:
             a parameter reads nothing of the others (torch's and fsdp_pass's all qualify).
         mp_policy: mixed precision, ``{"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}``
             or a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
-        bucket_size: most elements in one communication bucket (default: one bucket per module unit,
-            such as ``layers.3``, split only where block sizes differ).
+        bucket_size: most elements in one communication bucket (default: no limit; each module unit,
+            such as ``layers.3``, is a bucket, merged with its neighbours up to ``min_bucket_bytes``).
         min_bucket_bytes: neighbouring units are grouped until a bucket holds at least this many bytes
             (default: a latency x bandwidth cost model, 1.3 MB on CPU/gloo, 1.5 MB on GPUs; 0: never merge).
         block_sizes: ``{fnmatch pattern on parameter names: rows}`` (or ``{"elements": n}``): blocks
