@@ -16,17 +16,12 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from ...sharding.blocks import block_size
 from ...options import Options
 from ...buckets.dbuffer import DBuffer, is_unsharded
 from ...tensor.ragged_tensor import bucket_of
 from ...buckets.mesh import check_mesh_is_current
-from ...sharding.buckets import ShardingConfig
-from ...sharding.fp8_select import plan_fp8
-from ...sharding.materialize import shard_with_blocks
-from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from .detect import ParamSite, graph_block_rows
-from .unread import shard_unread_parameters
+from .unread import shard_unread_parameters, shard_with_options
 
 __all__ = ["Sharded", "shard_sites"]
 
@@ -48,11 +43,7 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
             f"value there); call the original module eagerly inside the block, or leave the block first"
         )
     named = [(s.name, s.param) for s in sites]
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
-    blocks = {s.name: block_size(s.name, s.param, opts.block_sizes, graph_block_rows(s)) for s in sites}
-    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
-    fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
-    new = shard_with_blocks(named, mesh, config, blocks, fp8)
+    new = shard_with_options(named, opts, {s.name: graph_block_rows(s) for s in sites})  # [Note: FP8 all-gather]
     new += shard_unread_parameters(_traced_modules(sites), opts)  # [Note: parameters no graph reads]
     buckets = {s.name: bucket_of(s.param) for s in sites}
     for buf, _ in buckets.values():

@@ -32,7 +32,7 @@ sharding]).
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
@@ -48,7 +48,7 @@ from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from ...tensor.ragged_tensor import is_sharded
 
-__all__ = ["compiled_module", "shard_unread_parameters"]
+__all__ = ["compiled_module", "shard_unread_parameters", "shard_with_options"]
 
 _MODULE_CALLS = frozenset({nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__})
 
@@ -68,6 +68,19 @@ def compiled_module() -> nn.Module | None:
     return None
 
 
+def shard_with_options(named: Sequence[tuple[str, nn.Parameter]], opts: Options,
+                       graph_rows: Mapping[str, list[int]] | None = None) -> list[DBuffer]:
+    """Shard ``named`` (those not sharded yet) with the backend's options: mesh roles, blocks (with the rows a
+    graph asks of each name, ``graph_rows``), bucket plans and FP8 gathers ([Note: FP8 all-gather]); returns the
+    new DBuffers."""
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
+    rows = graph_rows or {}
+    blocks = {name: block_size(name, p, opts.block_sizes, rows.get(name, ())) for name, p in named}
+    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
+    fp8 = plan_fp8(named, opts.fp8_all_gather, "options['fp8_all_gather']")
+    return shard_with_blocks(named, mesh, config, blocks, fp8)
+
+
 def shard_unread_parameters(traced: Sequence[nn.Module], opts: Options) -> list[DBuffer]:
     """Shard the parameters of the compiled module and of the ``traced`` roots that are not sharded yet
     ([Note: parameters no graph reads]); returns the new DBuffers."""
@@ -83,11 +96,7 @@ def shard_unread_parameters(traced: Sequence[nn.Module], opts: Options) -> list[
         keep_shards_on_apply(root)  # [Note: Module._apply on sharded parameters]
     if not rest:
         return []
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(rest))
-    blocks = {name: block_size(name, p, opts.block_sizes) for name, p in rest}
-    fp8 = plan_fp8(rest, opts.fp8_all_gather, "options['fp8_all_gather']")  # [Note: FP8 all-gather]
-    config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
-    new = shard_with_blocks(rest, mesh, config, blocks, fp8)
+    new = shard_with_options(rest, opts)
     for buf in new:
         # no graph sets them: eager calls compute in the graphs' dtype and divide like them
         buf.apply_settings(compute_dtype=opts.param_dtype)
