@@ -64,12 +64,14 @@ def test_two_nodes_of_two_train_like_one_node_of_four(tmp_path):
     reference = _losses(tmp_path / "one.json", one.stdout + one.stderr)
     assert reference["reshard_after_forward"] is True and reference["buckets"] > 1
     with NodeLab(2, 400) as lab:
-        # gathers in backward within each node (k = torchrun's LOCAL_WORLD_SIZE): bitwise the True run
+        # gathers in backward within each node (k = torchrun's LOCAL_WORLD_SIZE); across the nodes the
+        # collectives run in two levels ([Note: collectives in two levels across nodes])
         within = _two_nodes(lab, ["--reshard-within-node"], tmp_path / "within.json")
         # HSDP: sharded within each node, replicated across the two
         hsdp = _two_nodes(lab, ["--mesh", "node"], tmp_path / "hsdp.json")
     assert within["world_size"] == 4 and within["reshard_after_forward"] == 2
-    assert within["losses"] == reference["losses"], (within["losses"], reference["losses"])
+    # the reduce-scatter sums within each node first: another order than one ring's, fp32 rounding apart
+    assert within["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
     assert hsdp["mesh"] == [2, 2]
     # another reduction order (reduce-scatter in the node, all-reduce across): fp32 rounding apart
     assert hsdp["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)

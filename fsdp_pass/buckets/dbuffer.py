@@ -142,6 +142,8 @@ class DBuffer:
         # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
+        if mesh.shard_size > 1:  # its process groups are made now, while every rank makes its buckets alike
+            mesh.bucket_group_name()
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}
         self._segment_index: dict[str, int] | None = None  # parameter name → segment position (segment_index)
@@ -438,7 +440,7 @@ class DBuffer:
         ``quantized_reduce``: the compiled reduce-scatter, where there is one, [Note: block-quantized
         gradient reduction])."""
         m = self.mesh
-        shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
+        shard_group = m.bucket_group_name() if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
         return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group,

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .launcher_nodes import check_groups_within_nodes
+from .node_collectives import two_level_group_name
 
 __all__ = ["NodeGroup", "ShardingMesh", "check_mesh_is_current", "check_reshard_group_size"]
 
@@ -87,6 +88,16 @@ class ShardingMesh:
     def group_name(self, dim: int) -> str:
         return self.mesh.get_group(dim).group_name
 
+    def bucket_group_name(self) -> str:
+        """The process group a bucket's all-gather and reduce-scatter run on: the shard dim's, or, when
+        the launcher reports that it spans nodes, its two-level group ([Note: collectives in two levels
+        across nodes] in buckets/node_collectives.py). Made on first use, by every rank alike (a bucket
+        asks when it is made, and sharding makes buckets on every rank in one order)."""
+        key = (self.mesh, self.shard_dim)
+        if key not in _bucket_groups:
+            _bucket_groups[key] = two_level_group_name(self.mesh, self.shard_dim) or self.group_name(self.shard_dim)
+        return _bucket_groups[key]
+
     @property
     def device_type(self) -> str:
         return "cpu" if self.mesh is None else self.mesh.device_type
@@ -112,6 +123,8 @@ class NodeGroup(NamedTuple):
 
 # (mesh, shard dim, group size) -> this rank's NodeGroup: process groups are made once and live for the run
 _node_groups: dict[tuple, NodeGroup] = {}
+# (mesh, shard dim) -> the name of the group buckets over it gather and reduce on (ShardingMesh.bucket_group_name)
+_bucket_groups: dict[tuple, str] = {}
 
 
 def check_reshard_group_size(size, shard_size: int, argument: str) -> None:
