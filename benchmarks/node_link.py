@@ -55,12 +55,14 @@ QUANTIZED_BLOCK = 128  # options["quantized_reduce"]=True's block
 
 
 def _setting(key: str) -> dict:
-    """The cost model's view of a system's options: its resharding, int8 reduction and FP8 gathers."""
+    """The cost model's view of a system's options: its resharding, int8 reduction, FP8 gathers and levels."""
     system = SYSTEMS[key]
     options = system.fsdp_pass or {}
     return {"reshard_after_forward": options.get("reshard_after_forward", system.fsdp2_reshard),
             "fp8": bool(options.get("fp8_all_gather")),
-            "quantized_reduce_block": QUANTIZED_BLOCK if options.get("quantized_reduce") else None}
+            "quantized_reduce_block": QUANTIZED_BLOCK if options.get("quantized_reduce") else None,
+            # fsdp_pass gathers and reduces in two levels across the nodes; the others in one ring
+            "two_level": system.fsdp_pass is not None}
 
 
 def _fsdp2_groups(world: int) -> tuple[BucketStats, ...]:
@@ -88,7 +90,8 @@ def predicted_bytes(key: str, world: int, node_size: int, buckets: list[BucketSt
     else:
         plan = PlanSummary("benchmark llama", (world,), torch.float32, torch.float32, "adamw", 0, None,
                            setting["reshard_after_forward"], tuple(buckets), 0, 0.0, fp8=setting["fp8"],
-                           node_size=node_size, quantized_reduce_block=setting["quantized_reduce_block"])
+                           node_size=node_size, quantized_reduce_block=setting["quantized_reduce_block"],
+                           two_level=setting["two_level"])
     return plan.bytes_between_nodes(reduce_scatter_as_all_reduce=True)["total"]
 
 

@@ -84,15 +84,20 @@ def test_plan_what_if_reshard_after_forward_within_nodes(capsys):
 
 
 def test_plan_what_if_quantized_reduce(capsys):
-    """int8 codes + a fp32 scale per 128 elements: 1/4 of the fp32 reduce-scatter bytes, plus the scales."""
+    """int8 codes + a fp32 scale per 128 elements: across nodes, 1/4 of the fp32 reduce-scatter bytes plus the
+    scales; within a node the node's sums stay fp32 ([Note: collectives in two levels across nodes])."""
     runs = []
     for flags in ([], ["--quantized-reduce", "int8"]):
         assert main(["plan", "--model", "llama3-8b", "--world-size", "1024", "--reduce-dtype", "fp32", "--json",
                      *flags]) == 0
-        runs.append(json.loads(capsys.readouterr().out)["comm_bytes_per_rank"])
-    ratio = runs[1]["reduce_scatter"] / runs[0]["reduce_scatter"]
+        runs.append(json.loads(capsys.readouterr().out))
+    plain, quantized = (run["comm_bytes_by_link"]["reduce_scatter"] for run in runs)
+    ratio = quantized["across_nodes"] / plain["across_nodes"]
     assert 0.25 < ratio <= 0.25 + 1 / 128 + 1e-3, ratio
-    assert runs[1]["all_gather_forward"] == runs[0]["all_gather_forward"]
+    assert quantized["inside_node"] == plain["inside_node"] > 0
+    # 128 nodes of 8: each rank takes 127 pieces from other nodes and 7 x 128 from its own
+    assert plain["inside_node"] == pytest.approx(7 * 128 / 127 * plain["across_nodes"], rel=1e-6)
+    assert runs[1]["comm_bytes_per_rank"]["all_gather_forward"] == runs[0]["comm_bytes_per_rank"]["all_gather_forward"]
 
 
 @pytest.mark.parametrize("model,flag", [("llama3-70b", "--tp"), ("gpt-oss-120b", "--ep")])

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_pass.buckets.node_collectives import two_level_group_name
 from fsdp_pass.testing import node_lab
 from fsdp_pass.testing.node_lab import NodeLab, unavailable
 from fsdp_pass.testing.spawn import run_distributed
@@ -31,6 +32,8 @@ def _send_times(rank: int, world: int, lab: NodeLab) -> dict:
     """Rank 0 (node 0) sends PAYLOAD to rank 2 (node 1) across the link, then to rank 1 on its own node; then
     the bytes each node's link sends in gloo's collectives of PIECE elements per rank (each node's first rank
     reads its counter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     data = torch.ones(PAYLOAD)
     times = {}
     for peer, where in ((2, "across"), (1, "inside")):
@@ -42,10 +45,16 @@ def _send_times(rank: int, world: int, lab: NodeLab) -> dict:
             dist.recv(data, 0)
         dist.barrier()
         times[where] = time.perf_counter() - start
+    # a bucket's group in two levels ([Note: collectives in two levels across nodes]): the nodes torchrun reports
+    two = dist.distributed_c10d._resolve_process_group(two_level_group_name(init_device_mesh("cpu", (world,)), 0))
     collectives = {
         "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(PIECE * world), torch.ones(PIECE)),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(PIECE), torch.ones(PIECE * world)),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty(PIECE * world), torch.ones(PIECE * world)),
+        "two_level_all_gather": lambda: dist.all_gather_into_tensor(torch.empty(PIECE * world), torch.ones(PIECE),
+                                                                    group=two),
+        "two_level_reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(PIECE), torch.ones(PIECE * world),
+                                                                       group=two),
     }
     sent = {}
     for name, collective in collectives.items():
@@ -80,7 +89,11 @@ def test_ranks_on_two_nodes_send_at_the_link_rate_and_the_counters_see_it():
     # gloo's rings over ranks 0-1-2-3 cross between the nodes on 2 of their 4 edges ([Note: ring collectives
     # across nodes] in plan/report.py): an all-gather sends 3 pieces over each, a reduce-scatter (an all-reduce
     # of the whole input inside gloo) 2 * 3/4 * 4 pieces, an all-to-all 2 pieces from each rank
-    for name, pieces in {"all_gather": 6, "reduce_scatter": 12, "all_to_all": 8}.items():
+    # In two levels only the across-node step crosses: 2 rings of the 2 ranks with one place on their nodes,
+    # 1 piece each way (the all-gather) or an all-reduce of 2 pieces (gloo's reduce-scatter)
+    expected = {"all_gather": 6, "reduce_scatter": 12, "all_to_all": 8, "two_level_all_gather": 4,
+                "two_level_reduce_scatter": 8}
+    for name, pieces in expected.items():
         both = results[0]["sent"][name] + results[2]["sent"][name]
         assert pieces <= both / (PIECE * 4) < pieces * 1.02, f"{name}: {both / (PIECE * 4):.3f} pieces crossed"
     left = _namespaces()

@@ -105,6 +105,17 @@ class PlanSummary:
     fp8: bool = False  # --fp8: block weights all-gathered as FP8 codes + tile scales (docs/fp8.md)
     node_size: int = 8  # ranks per node: inside / across nodes in comm_bytes_by_link
     quantized_reduce_block: int | None = None  # --quantized-reduce: int8 codes + a float32 scale per block
+    # shard groups spanning nodes gather and reduce across nodes, then within ([Note: collectives in two
+    # levels across nodes] in buckets/node_collectives.py); False: one ring over the group (FSDP2's)
+    two_level: bool = True
+
+    def node_levels(self, group: int) -> tuple[int, int] | None:
+        """(N nodes, L ranks on each) when a shard group of ``group`` consecutive ranks runs its collectives
+        in two levels: it spans N > 1 whole nodes of L > 1 ranks; else None (one step)."""
+        n = self.node_size
+        if not self.two_level or n == 1 or group <= n or group % n:
+            return None
+        return group // n, n
 
     @property
     def world_size(self) -> int:
@@ -169,10 +180,16 @@ class PlanSummary:
             inside = min(group, self.node_size) - 1
             return inside, group - 1 - inside
 
-        def add(total: list[int], group: int, piece: float) -> None:
-            inside, across = peers(group)
+        def add(total: list[int], group: int, piece: float, across_piece: float | None = None) -> None:
+            """One collective of ``piece``-sized parts over ``group`` ranks (``across_piece``: what a part
+            that crosses between nodes weighs, if not ``piece``: a quantized row)."""
+            levels = self.node_levels(group)
+            if levels is None:
+                inside, across = peers(group)
+            else:  # the N-1 pieces of its place from other nodes, then the node's others' N pieces each
+                inside, across = levels[0] * (levels[1] - 1), levels[0] - 1
             total[0] += round(inside * piece)
-            total[1] += round(across * piece)
+            total[1] += round(across * (piece if across_piece is None else across_piece))
 
         forward, backward, scatter, grad_shards = [0, 0], [0, 0], [0, 0], 0
         for i, b in enumerate(self.buckets):
@@ -187,7 +204,10 @@ class PlanSummary:
                 add(backward, k, b.copies * b.global_size * plain / k)
             if b.trainable and self.quantized_reduce_block and b.world_size > 1:
                 # [Note: block-quantized gradient reduction]: one row of codes + scales to each other rank
-                add(scatter, b.world_size, b.copies * sent_bytes(2, b.shard_size, self.quantized_reduce_block))
+                row = b.copies * sent_bytes(2, b.shard_size, self.quantized_reduce_block)
+                # in two levels the node's exact sums travel within it in reduce_dtype, only rows cross
+                within = b.copies * b.shard_size * reduce if self.node_levels(b.world_size) else row
+                add(scatter, b.world_size, within, across_piece=row)
             elif b.trainable:
                 add(scatter, b.world_size, b.copies * b.shard_size * reduce)
                 grad_shards += b.copies * b.shard_size * reduce
@@ -205,8 +225,10 @@ class PlanSummary:
         of b bytes sends g - 1 pieces over every edge; a ring all-reduce of B bytes sends 2(g-1)/g · B; a
         ring reduce-scatter g - 1 pieces; gloo's reduce-scatter is an all-reduce of the whole input
         (``reduce_scatter_as_all_reduce``: B = g · b). An all-to-all goes straight from each rank to each
-        other: g · (peers on other nodes) rows. Groups inside one node cross nothing. Measured on gloo
-        over a node lab (docs/benchmarks.md, "Two nodes over a real link").
+        other: g · (peers on other nodes) rows. Groups inside one node cross nothing. In two levels
+        (``two_level``, N nodes of L ranks) only the across-node step crosses: L rings (or all-to-alls)
+        of N ranks, one on each node, all of whose edges cross. Measured on gloo over a node lab
+        (docs/benchmarks.md, "Two nodes over a real link").
         """
         plain, reduce = self.param_dtype.itemsize, self.reduce_dtype.itemsize
         n, r, k = self.node_size, self.replicate_size, self.reshard_after_forward
@@ -217,10 +239,15 @@ class PlanSummary:
             return spanned if spanned > 1 else 0
 
         def gather(group: int, piece: float) -> float:
+            levels = self.node_levels(group)
+            if levels is not None:  # L rings of N ranks, one on each node: every edge crosses
+                nodes, per_node = levels
+                return per_node * nodes * (nodes - 1) * piece
             return crossings(group) * (group - 1) * piece
 
-        def all_reduce(group: int, nbytes: float) -> float:
-            return crossings(group) * 2 * (group - 1) / group * nbytes
+        def reduce_scatter(group: int, piece: float) -> float:
+            # a ring reduce-scatter crosses as the all-gather does; gloo's all-reduce of the whole input twice that
+            return (2 if reduce_scatter_as_all_reduce else 1) * gather(group, piece)
 
         forward = backward = scatter = replicas = 0.0
         for i, b in enumerate(self.buckets):
@@ -236,12 +263,13 @@ class PlanSummary:
                 continue
             if self.quantized_reduce_block:
                 row = b.copies * sent_bytes(2, b.shard_size, self.quantized_reduce_block)
-                across_peers = b.world_size - min(b.world_size, n)
-                scatter += groups * b.world_size * across_peers * row
-            elif reduce_scatter_as_all_reduce:
-                scatter += groups * all_reduce(b.world_size, b.world_size * b.copies * b.shard_size * reduce)
+                levels = self.node_levels(b.world_size)
+                if levels is None:  # one all-to-all: each rank to every rank on other nodes
+                    scatter += groups * b.world_size * (b.world_size - min(b.world_size, n)) * row
+                else:  # L all-to-alls of N ranks, one on each node
+                    scatter += groups * levels[1] * levels[0] * (levels[0] - 1) * row
             else:
-                scatter += groups * gather(b.world_size, b.copies * b.shard_size * reduce)
+                scatter += groups * reduce_scatter(b.world_size, b.copies * b.shard_size * reduce)
             if r > 1:  # one replica group per shard rank, each rank of it on another node
                 replicas += b.world_size * r * 2 * (r - 1) / r * b.copies * b.shard_size * reduce
         out = {"all_gather_forward": forward, "all_gather_backward": backward, "reduce_scatter": scatter,
@@ -266,6 +294,7 @@ class PlanSummary:
             "bucket_size": self.bucket_size,
             "reshard_after_forward": self.reshard_after_forward,
             "quantized_reduce_block": self.quantized_reduce_block,
+            "two_level": self.two_level,
             "params": self.params,
             "padding": {"elements": self.padding, "percent": 100 * self.padding / max(self.params, 1)},
             "buckets": {
@@ -428,6 +457,7 @@ def plan_model(
     fp8: bool = False,
     node_size: int = 8,
     quantized_reduce_block: int | None = None,
+    two_level: bool = True,
 ) -> PlanSummary:
     """Shard (a meta copy of) ``model`` as ``fully_shard`` would, on a fake mesh of ``mesh_shape``, and summarize.
 
@@ -442,7 +472,8 @@ def plan_model(
     ``reshard_after_forward``: True, False or a group size k (checked against the shard ranks);
     ``node_size``: ranks per node, for the communication inside and across nodes.
     ``quantized_reduce_block``: gradients reduce-scatter as int8 codes + a scale per this many elements
-    (``options["quantized_reduce"]``).
+    (``options["quantized_reduce"]``). ``two_level``: shard groups spanning nodes gather and reduce in two
+    levels, as fsdp_pass does under a launcher that reports its nodes (False: one ring, FSDP2's).
     """
     started = time.perf_counter()
     if len(mesh_shape) not in (1, 2) or min(mesh_shape) < 1:
@@ -475,7 +506,7 @@ def plan_model(
     least_padding = _least_padding_on_a_rank(trainable, mesh_shape[-1])
     return PlanSummary(name, tuple(mesh_shape), param_dtype, reduce_dtype or param_dtype, optimizer, block_rows,
                        bucket_size, reshard_after_forward, tuple(stats), least_padding,
-                       time.perf_counter() - started, tp, ep, fp8, node_size, quantized_reduce_block)
+                       time.perf_counter() - started, tp, ep, fp8, node_size, quantized_reduce_block, two_level)
 
 
 def _fp8_bytes(buf: DBuffer) -> int:
