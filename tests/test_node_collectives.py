@@ -5,11 +5,13 @@ real link are measured by tests/test_node_lab.py and benchmarks/node_link.py."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import fsdp_pass
 from fsdp_pass.buckets.node_collectives import TwoLevelGroup, node_levels, two_level_group_name
 from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -102,6 +104,11 @@ def _training(rank: int, world: int) -> None:
     backward = "\n".join(code for stage, code in records()[-1].graphs.items() if stage.startswith("backward"))
     assert "reduce_scatter_tensor" in backward and "all_to_all_single" in backward
     assert result["param_rel"] > 0
+    explanation = fsdp_pass.explain(result["model"], print_output=False)
+    plan = explanation.plan_text()
+    listed = re.search(r"collectives in two levels: buckets \[([\d, ]+)\] span 2 nodes of 2 ranks", plan)
+    assert listed and sorted(map(int, listed[1].split(", "))) == sorted(b.index for b in explanation.buffers), plan
+    assert "one all_to_all across the nodes, of the node's exact sums" in plan, plan
 
 
 def _cases(rank: int, world: int) -> None:

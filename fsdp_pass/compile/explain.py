@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from .backend import records
 from ..buckets.dbuffer import DBuffer, buffers_of
+from ..buckets.node_collectives import node_levels
 from ..options import Options
 
 __all__ = ["Explanation", "explain"]
@@ -61,6 +62,7 @@ class Explanation:
             f"collectives per step: forward all_gather x{len(self.buffers)}, backward reduce_scatter "
             f"x{sum(b.shard.requires_grad for b in self.buffers)} (plus backward all_gathers when resharding)"
         )
+        lines += _two_level_lines(self.buffers)
         lines += [f"across the step: {line}" for line in dict.fromkeys(self.across_step)]
         lines += list(dict.fromkeys(self.reductions))
         lines += self.outlined  # [Note: repeated blocks compiled once]
@@ -73,6 +75,19 @@ class Explanation:
             for stage, code in graphs.items():
                 parts.append(f"===== graph {i}: {stage} =====\n{code}")
         return "\n".join(parts)
+
+
+def _two_level_lines(buffers: list[DBuffer]) -> list[str]:
+    """Which buckets gather and reduce in two levels, over how many nodes ([Note: collectives in two levels
+    across nodes] in buckets/node_collectives.py)."""
+    spans: dict[tuple[int, int], list[int]] = {}
+    for b in buffers:
+        levels = node_levels(b.mesh.bucket_group_name()) if b.mesh.shard_size > 1 else None
+        if levels is not None:
+            spans.setdefault((levels.nodes, levels.per_node), []).append(b.index)
+    return [f"collectives in two levels: buckets {indices} span {nodes} nodes of {per_node} ranks: all_gather "
+            f"across the nodes, then within each; reduce_scatter within each node, then across"
+            for (nodes, per_node), indices in spans.items()]
 
 
 def _quantized_reduce_lines(options: Options, buffers: list[DBuffer]) -> list[str]:
@@ -90,6 +105,8 @@ def _quantized_reduce_lines(options: Options, buffers: list[DBuffer]) -> list[st
             why = "not quantized: sharded over one rank, no reduce-scatter"
         else:
             why = f"int8 codes + 1 float32 scale per {q.block} elements ({rounding}), one all_to_all"
+            if node_levels(b.mesh.bucket_group_name()) is not None:
+                why += " across the nodes, of the node's exact sums"
             if b.mesh.replicate_size > 1:
                 why += f"; the all-reduce over {b.mesh.replicate_size} replicas stays exact"
         lines.append(f"gradient reduce-scatter of bucket {b.index}: {why}")
