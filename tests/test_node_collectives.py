@@ -121,3 +121,32 @@ def _cases(rank: int, world: int) -> None:
 @pytest.mark.timeout(600)
 def test_two_level_collectives_on_two_nodes_of_two():
     run_distributed(_cases, 4, timeout=540)
+
+
+def _stages(rank: int, world: int) -> tuple:
+    """Two pipeline stages of 4 ranks on 4 nodes of 2; each stage makes its groups alone, the second after
+    work of its own (a group the first never makes): no call is needed from the other stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _as_nodes([0, 0, 1, 1, 2, 2, 3, 3], rank)
+    shard_mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))["dp"]
+    stage = rank // 4
+    if stage == 1:
+        dist.new_group([4, 5, 6, 7], use_local_synchronization=True)
+        dist.all_reduce(torch.ones(1), group=shard_mesh.get_group(0))
+    name = two_level_group_name(shard_mesh, 0)
+    shard = torch.full((3,), float(rank))
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, 4, name))
+    levels = node_levels(name)
+    return (gathered[::3].tolist(), dist.get_process_group_ranks(levels.across),
+            dist.get_process_group_ranks(levels.within))
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stages_make_their_two_level_groups_alone():
+    results = run_distributed(_stages, 8, timeout=90)
+    for rank, (gathered, across, within) in enumerate(results):
+        first = rank // 4 * 4
+        assert gathered == [float(first + k) for k in range(4)]
+        assert across == [first + rank % 2, first + rank % 2 + 2]
+        assert within == [rank // 2 * 2, rank // 2 * 2 + 1]

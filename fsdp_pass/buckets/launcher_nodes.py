@@ -31,14 +31,15 @@ def _my_node() -> int | None:
     return None
 
 
-def node_of_each_rank() -> list[int] | None:
-    """Every global rank's node number from the launcher, or None when it gave none. Collective over the
-    default group when it did (a launcher sets the variables on all its processes alike)."""
+def node_of_each_rank(group: dist.ProcessGroup | None = None) -> list[int] | None:
+    """The node number the launcher gave each rank of ``group`` (default: every global rank), in the
+    group's rank order, or None when it gave none. Collective over ``group`` when it did (a launcher sets
+    the variables on all its processes alike)."""
     mine = _my_node()
     if mine is None or not dist.is_initialized():
         return None
-    nodes: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, mine)
+    nodes: list[int | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(nodes, mine, group=group)
     return None if any(n is None for n in nodes) else nodes
 
 

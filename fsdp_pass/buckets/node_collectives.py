@@ -196,50 +196,37 @@ def _register_backend() -> None:
 
 def two_level_group_name(mesh: DeviceMesh, shard_dim: int) -> str | None:
     """The name of this rank's :class:`TwoLevelGroup` over ``mesh``'s ``shard_dim``, or None when the
-    launcher reports no nodes, the dim lies on one node, has one rank per node, or its nodes do not
-    hold equal runs of consecutive ranks. Collective over the default group (every rank calls it alike)."""
-    nodes = node_of_each_rank()
-    if nodes is None:
-        return None
-    rows = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
-    layouts = [_layout(row, nodes) for row in rows]
-    if any(layout is None for layout in layouts):
-        return None
-    n, per_node = layouts[0]
-    if n == 1 or per_node == 1 or any(layout != layouts[0] for layout in layouts):
-        return None
+    launcher reports no nodes, or this rank's shard group lies on one node, has one rank per node, or its
+    nodes do not hold equal runs of consecutive ranks. Collective over that shard group only (its ranks
+    make their buckets alike; a pipeline stage's sub-mesh needs no call from the other stages): the
+    nodes are exchanged in it and the groups are made with group-local synchronization."""
     shard_group = mesh.get_group(shard_dim)
+    nodes = node_of_each_rank(shard_group)
+    layout = None if nodes is None else _layout(nodes)
+    if layout is None or layout[0] == 1 or layout[1] == 1:
+        return None
+    n, per_node = layout
+    row = dist.get_process_group_ranks(shard_group)
+    position = row.index(dist.get_rank())
+    node, place = divmod(position, per_node)
     # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
     timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
-    me = dist.get_rank()
-    mine: dict[str, dist.ProcessGroup] = {}
-    for row in rows:  # new_group is collective: every rank makes every group, in one order
-        for place in range(per_node):
-            group = dist.new_group([row[k * per_node + place] for k in range(n)], timeout=timeout)
-            if me in row and row.index(me) % per_node == place:
-                mine["across"] = group
-        for k in range(n):
-            group = dist.new_group(row[k * per_node:(k + 1) * per_node], timeout=timeout)
-            if me in row[k * per_node:(k + 1) * per_node]:
-                mine["within"] = group
+    made_here = {"timeout": timeout, "use_local_synchronization": True}  # only the group's ranks take part
+    across = dist.new_group([row[k * per_node + place] for k in range(n)], **made_here)
+    within = dist.new_group(row[node * per_node:(node + 1) * per_node], **made_here)
     _register_backend()
-    name = None
-    for row in rows:
-        levels = NodeLevels(n, per_node, mine.get("across"), mine.get("within"), shard_group) if me in row else None
-        group = dist.new_group(row, backend=BACKEND, pg_options=levels, timeout=timeout)
-        if me in row:
-            name = group.group_name
-    return name
+    levels = NodeLevels(n, per_node, across, within, shard_group)
+    return dist.new_group(row, backend=BACKEND, pg_options=levels, **made_here).group_name
 
 
-def _layout(row: list[int], nodes: list[int]) -> tuple[int, int] | None:
-    """(N nodes, L ranks each) when ``row``'s ranks are N equal runs of consecutive positions, one per node."""
-    runs: list[tuple[int, int]] = []  # (node, ranks in its run)
-    for rank in row:
-        if runs and runs[-1][0] == nodes[rank]:
-            runs[-1] = (nodes[rank], runs[-1][1] + 1)
+def _layout(nodes: list[int]) -> tuple[int, int] | None:
+    """(N nodes, L ranks each) when ``nodes`` (each position's node) is N equal runs, one per node."""
+    runs: list[tuple[int, int]] = []  # (node, positions in its run)
+    for node in nodes:
+        if runs and runs[-1][0] == node:
+            runs[-1] = (node, runs[-1][1] + 1)
         else:
-            runs.append((nodes[rank], 1))
+            runs.append((node, 1))
     if len({node for node, _ in runs}) != len(runs) or len({size for _, size in runs}) != 1:
         return None
     return len(runs), runs[0][1]
