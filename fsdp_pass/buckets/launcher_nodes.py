@@ -36,7 +36,7 @@ def node_of_each_rank(group: dist.ProcessGroup | None = None) -> list[int] | Non
     group's rank order, or None when it gave none. Collective over ``group`` when it did (a launcher sets
     the variables on all its processes alike)."""
     mine = _my_node()
-    if mine is None or not dist.is_initialized():
+    if mine is None or not dist.is_initialized() or dist.get_backend(group) == "fake":  # fake: carries no data
         return None
     nodes: list[int | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(nodes, mine, group=group)
