@@ -144,25 +144,19 @@ class TwoLevelGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- everything else: the one-step shard group ---------------------------------------------------
-    def allreduce(self, *args):
-        return self.levels.flat.allreduce(*args)
+    def _on_flat(name: str):
+        def call(self, *args):
+            return getattr(self.levels.flat, name)(*args)
+        call.__name__ = name
+        return call
 
-    def allgather(self, *args):
-        return self.levels.flat.allgather(*args)
-
-    def broadcast(self, *args):
-        return self.levels.flat.broadcast(*args)
-
-    def barrier(self, *args):
-        return self.levels.flat.barrier(*args)
-
-    def all_to_all_single(self, *args):
-        return self.levels.flat.all_to_all_single(*args)
-
-    def reduce_scatter(self, *args):
-        return self.levels.flat.reduce_scatter(*args)
-
-    alltoall_base = all_to_all_single
+    allreduce = _on_flat("allreduce")
+    allgather = _on_flat("allgather")
+    broadcast = _on_flat("broadcast")
+    barrier = _on_flat("barrier")
+    all_to_all_single = alltoall_base = _on_flat("all_to_all_single")
+    reduce_scatter = _on_flat("reduce_scatter")
+    del _on_flat
 
 
 def within_node_sums(grad: torch.Tensor, levels: NodeLevels) -> torch.Tensor:
