@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass
+from fsdp_pass.buckets.mesh import ShardingMesh
 from fsdp_pass.buckets.node_collectives import TwoLevelGroup, node_levels, two_level_group_name
 from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -124,8 +125,9 @@ def test_two_level_collectives_on_two_nodes_of_two():
 
 
 def _stages(rank: int, world: int) -> tuple:
-    """Two pipeline stages of 4 ranks on 4 nodes of 2; each stage makes its groups alone, the second after
-    work of its own (a group the first never makes): no call is needed from the other stage."""
+    """Two pipeline stages of 4 ranks on 4 nodes of 2; each stage makes its groups (two-level, and
+    reshard_after_forward=2's) alone, the second after work of its own (a group the first never makes): no
+    call is needed from the other stage."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _as_nodes([0, 0, 1, 1, 2, 2, 3, 3], rank)
@@ -138,15 +140,18 @@ def _stages(rank: int, world: int) -> tuple:
     shard = torch.full((3,), float(rank))
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, 4, name))
     levels = node_levels(name)
+    # reshard_after_forward=2's groups of the node's ranks are made by the stage alone too
+    reshard = ShardingMesh(shard_mesh, 0).node_group(2)
     return (gathered[::3].tolist(), dist.get_process_group_ranks(levels.across),
-            dist.get_process_group_ranks(levels.within))
+            dist.get_process_group_ranks(levels.within),
+            dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(reshard.group_name)))
 
 
 @pytest.mark.timeout(120)
-def test_pipeline_stages_make_their_two_level_groups_alone():
+def test_pipeline_stages_make_their_node_groups_alone():
     results = run_distributed(_stages, 8, timeout=90)
-    for rank, (gathered, across, within) in enumerate(results):
+    for rank, (gathered, across, within, reshard) in enumerate(results):
         first = rank // 4 * 4
         assert gathered == [float(first + k) for k in range(4)]
         assert across == [first + rank % 2, first + rank % 2 + 2]
-        assert within == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert within == reshard == [rank // 2 * 2, rank // 2 * 2 + 1]

@@ -43,20 +43,23 @@ def node_of_each_rank(group: dist.ProcessGroup | None = None) -> list[int] | Non
     return None if any(n is None for n in nodes) else nodes
 
 
-def check_groups_within_nodes(groups: list[list[int]], argument: str) -> None:
-    """Raise unless each group of global ranks runs on one node, as far as the launcher says
-    ([Note: node-local groups follow the launcher's nodes]). Collective: every rank calls it alike."""
-    nodes = node_of_each_rank()
+def check_groups_within_nodes(groups: list[list[int]], argument: str, group: dist.ProcessGroup) -> None:
+    """Raise unless each of ``groups`` (global ranks of ``group``) runs on one node, as far as the launcher
+    says ([Note: node-local groups follow the launcher's nodes]). Collective over ``group``: its ranks call
+    it alike."""
+    nodes = node_of_each_rank(group)
     if nodes is None:
         return
-    for ranks in groups:
-        spans = sorted({nodes[r] for r in ranks})
+    ranks = dist.get_process_group_ranks(group)
+    node_of = dict(zip(ranks, nodes))
+    for members in groups:
+        spans = sorted({node_of[r] for r in members})
         if len(spans) > 1:
             local = os.environ.get("LOCAL_WORLD_SIZE", "?")
-            layout = {n: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
+            layout = {n: [r for r in ranks if node_of[r] == n] for n in sorted(set(nodes))}
             raise ValueError(
-                f"{argument}={len(ranks)} makes the node-local group of ranks {ranks}, but the launcher placed them "
-                f"on nodes {spans} (ranks by node: {layout}); backward's gathers would cross nodes. Use the number "
-                f"of processes per node (LOCAL_WORLD_SIZE={local}) or a divisor of it, and launch with the same "
-                f"number of processes on every node so that each node's ranks are consecutive"
+                f"{argument}={len(members)} makes the node-local group of ranks {members}, but the launcher placed "
+                f"them on nodes {spans} (ranks by node: {layout}); backward's gathers would cross nodes. Use the "
+                f"number of processes per node (LOCAL_WORLD_SIZE={local}) or a divisor of it, and launch with the "
+                f"same number of processes on every node so that each node's ranks are consecutive"
             )

@@ -105,7 +105,7 @@ class ShardingMesh:
     def node_group(self, size: int) -> "NodeGroup":
         """This rank's group of ``size`` consecutive ranks of the shard dim ([Note: reshard within a
         node after forward] in compile/passes/reshard_within_groups.py). The process groups are made once
-        per (mesh, shard dim, size), by every rank in the same order: ``new_group`` is collective."""
+        per (mesh, shard dim, size), by the shard group's ranks alike."""
         check_reshard_group_size(size, self.shard_size, "reshard_after_forward")
         key = (self.mesh, self.shard_dim, size)
         if key not in _node_groups:
@@ -140,21 +140,20 @@ def check_reshard_group_size(size, shard_size: int, argument: str) -> None:
 
 
 def _make_node_groups(mesh: DeviceMesh, shard_dim: int, size: int) -> NodeGroup:
-    """Every shard-dim row of ``mesh`` cut into groups of ``size`` consecutive ranks; this rank's group."""
+    """This rank's shard-dim row of ``mesh`` cut into groups of ``size`` consecutive ranks; this rank's group.
+    Made by the row's ranks alone (group-local synchronization): a pipeline stage's sub-mesh needs no call
+    from the other stages."""
     shard_group = mesh.get_group(shard_dim)
     # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
     timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
-    rows = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
-    groups = [row[start:start + size] for row in rows for start in range(0, len(row), size)]
+    row = dist.get_process_group_ranks(shard_group)
+    groups = [row[start:start + size] for start in range(0, len(row), size)]
     # [Note: node-local groups follow the launcher's nodes]
-    check_groups_within_nodes(groups, "reshard_after_forward")
+    check_groups_within_nodes(groups, "reshard_after_forward", shard_group)
     me = dist.get_rank()
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks, timeout=timeout)
-        if me in ranks:
-            mine = NodeGroup(size, ranks.index(me), group.group_name)
-    return mine
+    mine = next(ranks for ranks in groups if me in ranks)
+    group = dist.new_group(mine, timeout=timeout, use_local_synchronization=True)
+    return NodeGroup(size, mine.index(me), group.group_name)
 
 
 def check_mesh_is_current(buf) -> None:
