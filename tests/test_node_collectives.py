@@ -21,8 +21,7 @@ from fsdp_pass.testing.spawn import run_distributed
 from parity import Case, run_case
 
 _c10d = torch.ops._c10d_functional
-# a Python ProcessGroup through torch's backend registry, group-local new_group: torch internals
-pytestmark = pytest.mark.compat
+pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
 
 
 def _as_nodes(nodes: list[int], rank: int) -> None:
