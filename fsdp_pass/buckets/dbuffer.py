@@ -142,7 +142,7 @@ class DBuffer:
         # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
-        if mesh.shard_size > 1:  # its process groups are made now, while every rank makes its buckets alike
+        if mesh.shard_size > 1:  # its process groups are made now, while the mesh's ranks make their buckets alike
             mesh.bucket_group_name()
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}

@@ -7,9 +7,11 @@ when the launcher numbers them so: ``torchrun`` gives node ``GROUP_RANK`` the ra
 ``[GROUP_RANK · LOCAL_WORLD_SIZE, …)`` when every node runs the same number of processes, but another
 launcher, uneven nodes or a mesh built over a permuted rank list break that. So the groups are
 checked against where the ranks are: when the launcher set ``GROUP_RANK`` (torchrun, and Slurm's
-``SLURM_NODEID`` under srun), every rank shares its node number once (one small all-gather when the
-groups are made, every rank alike; a launcher sets it on all its processes), and a group that spans nodes is refused with the node layout and
-the fix. Without a launcher's node number (one process, a local spawn) nothing is known, and the
+``SLURM_NODEID`` under srun), the ranks of the shard group share their node numbers (one small
+all-gather in that group when its node groups are made; a launcher sets the variable on all its
+processes), and a group that spans nodes is refused with the node layout and the fix. Node groups
+are made by their members alone (:func:`new_local_group`), so a pipeline stage sharding over a
+sub-mesh needs no call from the other stages. Without a launcher's node number (one process, a local spawn) nothing is known, and the
 groups stay consecutive ranks.
 """
 
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["check_groups_within_nodes", "node_of_each_rank"]
+__all__ = ["check_groups_within_nodes", "new_local_group", "node_of_each_rank"]
 
 _NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID")  # the node number torchrun / Slurm's srun give each process
 
@@ -31,10 +34,10 @@ def _my_node() -> int | None:
     return None
 
 
-def node_of_each_rank(group: dist.ProcessGroup | None = None) -> list[int] | None:
-    """The node number the launcher gave each rank of ``group`` (default: every global rank), in the
-    group's rank order, or None when it gave none. Collective over ``group`` when it did (a launcher sets
-    the variables on all its processes alike)."""
+def node_of_each_rank(group: dist.ProcessGroup) -> list[int] | None:
+    """The node number the launcher gave each rank of ``group``, in the group's rank order, or None when it
+    gave none. Collective over ``group`` when it did (a launcher sets the variables on all its processes
+    alike)."""
     mine = _my_node()
     if mine is None or not dist.is_initialized() or dist.get_backend(group) == "fake":  # fake: carries no data
         return None
@@ -63,3 +66,11 @@ def check_groups_within_nodes(groups: list[list[int]], argument: str, group: dis
                 f"number of processes per node (LOCAL_WORLD_SIZE={local}) or a divisor of it, and launch with the "
                 f"same number of processes on every node so that each node's ranks are consecutive"
             )
+
+
+def new_local_group(ranks: list[int], beside: dist.ProcessGroup, device_type: str, **options) -> dist.ProcessGroup:
+    """A process group of ``ranks`` made by its members alone (group-local synchronization: ranks outside,
+    another pipeline stage's, need not call), with the timeout of ``beside``: ``new_group``'s own default is
+    30 minutes whatever ``init_process_group`` was given. ``options``: further ``new_group`` arguments."""
+    timeout = beside._get_backend(torch.device(device_type)).options._timeout
+    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, **options)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .launcher_nodes import check_groups_within_nodes
+from .launcher_nodes import check_groups_within_nodes, new_local_group
 from .node_collectives import two_level_group_name
 
 __all__ = ["NodeGroup", "ShardingMesh", "check_mesh_is_current", "check_reshard_group_size"]
@@ -91,8 +91,8 @@ class ShardingMesh:
     def bucket_group_name(self) -> str:
         """The process group a bucket's all-gather and reduce-scatter run on: the shard dim's, or, when
         the launcher reports that it spans nodes, its two-level group ([Note: collectives in two levels
-        across nodes] in buckets/node_collectives.py). Made on first use, by every rank alike (a bucket
-        asks when it is made, and sharding makes buckets on every rank in one order)."""
+        across nodes] in buckets/node_collectives.py). Made on first use, by the shard group's ranks alike (a
+        bucket asks when it is made, and the ranks sharding over a mesh make its buckets in one order)."""
         key = (self.mesh, self.shard_dim)
         if key not in _bucket_groups:
             _bucket_groups[key] = two_level_group_name(self.mesh, self.shard_dim) or self.group_name(self.shard_dim)
@@ -144,16 +144,13 @@ def _make_node_groups(mesh: DeviceMesh, shard_dim: int, size: int) -> NodeGroup:
     Made by the row's ranks alone (group-local synchronization): a pipeline stage's sub-mesh needs no call
     from the other stages."""
     shard_group = mesh.get_group(shard_dim)
-    # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
-    timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
     row = dist.get_process_group_ranks(shard_group)
     groups = [row[start:start + size] for start in range(0, len(row), size)]
     # [Note: node-local groups follow the launcher's nodes]
     check_groups_within_nodes(groups, "reshard_after_forward", shard_group)
     me = dist.get_rank()
     mine = next(ranks for ranks in groups if me in ranks)
-    group = dist.new_group(mine, timeout=timeout, use_local_synchronization=True)
-    return NodeGroup(size, mine.index(me), group.group_name)
+    return NodeGroup(size, mine.index(me), new_local_group(mine, shard_group, mesh.device_type).group_name)
 
 
 def check_mesh_is_current(buf) -> None:

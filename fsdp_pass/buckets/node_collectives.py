@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .launcher_nodes import node_of_each_rank
+from .launcher_nodes import new_local_group, node_of_each_rank
 
 __all__ = ["NodeLevels", "TwoLevelGroup", "node_levels", "two_level_group_name", "within_node_sums"]
 
@@ -203,14 +203,12 @@ def two_level_group_name(mesh: DeviceMesh, shard_dim: int) -> str | None:
     row = dist.get_process_group_ranks(shard_group)
     position = row.index(dist.get_rank())
     node, place = divmod(position, per_node)
-    # new_group's own default is 30 minutes whatever init_process_group was given: take the shard group's
-    timeout = shard_group._get_backend(torch.device(mesh.device_type)).options._timeout
-    made_here = {"timeout": timeout, "use_local_synchronization": True}  # only the group's ranks take part
-    across = dist.new_group([row[k * per_node + place] for k in range(n)], **made_here)
-    within = dist.new_group(row[node * per_node:(node + 1) * per_node], **made_here)
+    device = mesh.device_type
+    across = new_local_group([row[k * per_node + place] for k in range(n)], shard_group, device)
+    within = new_local_group(row[node * per_node:(node + 1) * per_node], shard_group, device)
     _register_backend()
     levels = NodeLevels(n, per_node, across, within, shard_group)
-    return dist.new_group(row, backend=BACKEND, pg_options=levels, **made_here).group_name
+    return new_local_group(row, shard_group, device, backend=BACKEND, pg_options=levels).group_name
 
 
 def _layout(nodes: list[int]) -> tuple[int, int] | None:

@@ -136,7 +136,7 @@ def node_groups(size: int, buffers: Sequence[DBuffer],
                 taken: Mapping[int, GatherConfig] | None) -> Callable[[fx.Node], NodeGroup | None]:
     """``group_of`` for :func:`reshard_within_groups`: each gather's node group of ``size`` ranks, found by
     its shard group (or, for a buffer taken in place of a gather, its slot's). The process groups are made
-    here, before tracing, on every rank alike."""
+    here, before tracing, by each shard group's ranks alike."""
     by_shard_group = {buf.mesh.bucket_group_name(): buf.mesh.node_group(size)
                       for buf in buffers if buf.mesh.shard_size > 1}
     slots = dict(taken or {})
