@@ -1,6 +1,7 @@
 """Models whose modules define ``__getattr__`` (diffusers, peft) train and checkpoint like one process on
 2 gloo ranks, with ``named_parameters()`` names in the plan and in ``block_sizes``
-([Note: parameters known by identity] in compile/passes/detect.py)."""
+([Note: parameters known by identity] in compile/passes/detect.py); and on 4 ranks as 2 nodes of 2, whose
+buckets gather and reduce in two levels."""
 
 from __future__ import annotations
 
@@ -135,6 +136,35 @@ def _train_all(rank: int, world: int, directory: str, names: list[str]) -> None:
 @pytest.mark.slow
 def test_diffusers_and_peft_models_train_and_checkpoint_like_one_process(tmp_path):
     run_distributed(_train_all, WORLD, str(tmp_path), [c.name for c in CASES])
+
+
+def _train_on_two_nodes(rank: int, world: int) -> None:
+    """The cases, told by the launcher's variables that they run on 2 nodes of 2 ranks: every bucket gathers and
+    reduces in two levels ([Note: collectives in two levels across nodes] in buckets/node_collectives.py)."""
+    import dataclasses
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_pass.buckets.dbuffer import buffers_of
+    from fsdp_pass.buckets.node_collectives import node_levels
+
+    os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank // 2), "2"
+    mesh = init_device_mesh("cpu", (world,))
+    for case in CASES:  # aot_eager: the collectives are the same under Inductor, and cost no code generation here
+        case = dataclasses.replace(case, name=case.name.split("/")[0] + "/aot_eager",
+                                   options={**case.options, "compiler": "aot_eager"})
+        result = run_case(case, rank, world, mesh)
+        assert all(node_levels(b.mesh.bucket_group_name()) for b in buffers_of(result["model"])), case.name
+        worst_checkpoint = _check_checkpoint(case, result["model"], result["reference"])
+        if rank == 0:
+            print(f"{case.name} on 2 nodes of 2: loss {result['loss_rel']:.1e}, parameters {result['param_rel']:.1e}, "
+                  f"full state dict {worst_checkpoint:.1e}")
+
+
+@pytest.mark.slow
+def test_diffusers_and_peft_models_train_like_one_process_on_two_nodes_of_two():
+    run_distributed(_train_on_two_nodes, 4)
 
 
 if __name__ == "__main__":  # every case one by one, with its time: python tests/test_third_party_models.py [word ...]
