@@ -15,11 +15,16 @@ In the joint graph, for each gather chain resharded (``head`` ─ cast ─ all_g
 unpack] ─ views, or the buffer taken in place of the gather), where ``full`` is the gathered buffer
 in ``param_dtype``:
 
-    full ─ slice(piece j) ─ clone = kept           (MUST_SAVE: the saved tensor, bucket / k)
-    kept ─ all_gather(k, group) ─ wait ─ views'    (MUST_RECOMPUTE: backward's copies of the views)
+    full ─ kept_piece(j) = kept                    (MUST_SAVE: the saved tensor, bucket / k)
+    kept ─ all_gather(k, group) ─ wait ─ views'    (MUST_RECOMPUTE, must be in backward: backward's
+                                                    copies of the views)
 
 and every use of a chain node by a node that depends on a tangent (backward) reads its copy
-instead. The piece is cloned so that saving it does not keep the whole gathered buffer alive. For an
+instead. The piece is copied so that saving it does not keep the whole gathered buffer alive, by an
+op of its own: Inductor drops a ``clone`` as a no-op, and the saved slice would then hold the whole
+bucket. The re-gather is tagged for backward (the partitioner's ``must_be_in_backward``): it reads
+only forward values, so it would otherwise also land in the forward graph, where collectives are never
+dead-code eliminated, and run there once more for nothing, waited before the next bucket's gather. For an
 FP8 bucket the kept piece is dequantized values: backward gets the same weights forward used,
 bitwise, as when it recomputes the FP8 gather, and gathering them within the node costs no
 quantization error. ``keep_last`` ([Note: the last bucket stays gathered into backward]) applies as
@@ -41,7 +46,6 @@ from .schedule import _RECOMPUTE_GRAPH_ID, _add, _chain, _gather_heads
 
 __all__ = ["node_groups", "reshard_setting", "reshard_within_groups"]
 
-_aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 
@@ -97,9 +101,7 @@ def _reshard_chain(graph: fx.Graph, chain: list[fx.Node], full: fx.Node, group: 
     order = {n: i for i, n in enumerate(graph.nodes)}
     copies: dict[fx.Node, fx.Node] = {}
     with graph.inserting_before(full.next):  # new nodes in creation order, right after ``full``
-        start = group.index * piece
-        kept = _add(graph, fake_mode, _aten.clone.default,
-                    _add(graph, fake_mode, _aten.slice.Tensor, full, 0, start, start + piece))
+        kept = _add(graph, fake_mode, torch.ops.fsdp_pass.kept_piece.default, full, group.index * piece, piece)
         gathered = _add(graph, fake_mode, _c10d.all_gather_into_tensor.default, kept, group.size, group.group_name)
         copies[full] = _add(graph, fake_mode, _c10d.wait_tensor.default, gathered)
         for node in sorted(below, key=order.__getitem__):
@@ -108,11 +110,22 @@ def _reshard_chain(graph: fx.Graph, chain: list[fx.Node], full: fx.Node, group: 
     for node in [gathered, *copies.values()]:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = _RECOMPUTE_GRAPH_ID
+        node.meta["partitioner_tag"] = "must_be_in_backward"
     for node, copy in copies.items():
         for user in list(node.users):
             if user in backward and user not in in_chain:
                 user.replace_input_with(node, copy)
 
+
+@torch.library.custom_op("fsdp_pass::kept_piece", mutates_args=())
+def kept_piece(full: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """A copy of ``full[start:start + numel]``: the piece of a gathered bucket a rank keeps after forward."""
+    return full[start:start + numel].clone()
+
+
+@kept_piece.register_fake
+def _(full, start, numel):
+    return full.new_empty(numel)
 
 
 def reshard_setting(option: bool | int, buffers: Sequence[DBuffer]) -> bool | int:
