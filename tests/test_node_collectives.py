@@ -15,6 +15,7 @@ import fsdp_pass
 from fsdp_pass.buckets.mesh import ShardingMesh
 from fsdp_pass.buckets.node_collectives import TwoLevelGroup, node_levels, two_level_group_name
 from fsdp_pass.compile.backend import records
+from fsdp_pass.testing.collectives import quantized_exchanges_overlap
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -105,6 +106,8 @@ def _training(rank: int, world: int) -> None:
                       mesh)
     backward = "\n".join(code for stage, code in records()[-1].graphs.items() if stage.startswith("backward"))
     assert "reduce_scatter_tensor" in backward and "all_to_all_single" in backward
+    # the exchange across the nodes overlaps the next bucket's compute; the fast within-node step does not
+    assert quantized_exchanges_overlap(records()[-1].modules["backward"].graph)
     assert result["param_rel"] > 0
     explanation = fsdp_pass.explain(result["model"], print_output=False)
     plan = explanation.plan_text()

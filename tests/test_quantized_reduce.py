@@ -17,6 +17,7 @@ from fsdp_pass.buckets.quantized_reduce import (
 from fsdp_pass.compile.backend import records
 from fsdp_pass.options import Options, QuantizedReduce
 from fsdp_pass.tensor import in_flight
+from fsdp_pass.testing.collectives import quantized_exchanges_overlap
 from fsdp_pass.testing.models import MLP, Llama, LlamaConfig, init_std, lm_loss
 from fsdp_pass.testing.spawn import run_distributed
 
@@ -150,6 +151,8 @@ def _compiled_cases(rank: int, world: int) -> None:
     graphs = _backward_code()
     assert "all_to_all_single" in graphs and "reduce_scatter" not in graphs
     assert re.search(r"gradient reduce-scatter of bucket \d+: int8 codes \+ 1 float32 scale per 32 elements", plan), plan
+    # each bucket's exchange is in flight until the next bucket's gradient is computed and quantized
+    assert quantized_exchanges_overlap(records()[-1].modules["backward"].graph), "a quantized exchange waits at once"
     # the last reduce left to the optimizer step is quantized too (it reduces at once, not in flight)
     deferred, _ = _reduced(rank, world, {**q, "overlap_last_reduce": True}, micro=1)
     assert all(torch.equal(deferred[name], g) for name, g in quantized.items())

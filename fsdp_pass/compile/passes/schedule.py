@@ -9,7 +9,8 @@ compute, and every later one ``prefetch`` buckets ahead (before the wait of the 
 places earlier, so it runs while that bucket computes), unless the gathered buffers in flight would
 exceed ``max_inflight_bytes``; every reduce_scatter stays right
 after its bucket's last gradient and its wait sinks to just before the next bucket's
-reduce_scatter, so it overlaps that bucket's backward compute. The functional
+reduce_scatter, so it overlaps that bucket's backward compute (with ``quantized_reduce``, the wait of
+the quantized rows' all_to_all, which crosses between nodes). The functional
 collectives run asynchronously until their ``wait_tensor``: the graph order is the schedule. On CPU
 (gloo) one collective at a time is in flight: each wait moves up to before the next collective
 ([Note: one collective in flight on gloo]).
@@ -22,6 +23,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ...buckets.gather import GatherConfig, fp8_pack_shard, fp8_unpack, take_gathered
+from ...buckets.quantized_reduce import quantize_for_reduce
 
 __all__ = ["GATHER_CHAIN_OPS", "gather_chains", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
 
@@ -49,6 +51,10 @@ GATHER_CHAIN_OPS = {
 _CASTS = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default, fp8_pack_shard._opoverload}
 _RECOMPUTE_GRAPH_ID = 1_000_003  # any id distinct from user activation-checkpoint regions
 _TAKE_GATHERED = take_gathered._opoverload  # a bucket gathered before the graph ran, taken in place of its gather
+_QUANTIZE = quantize_for_reduce._opoverload  # a bucket's gradient quantized for its reduction
+# Ops whose output holds their one input's values (a view, or a copy in another layout).
+_SAME_VALUES = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.clone.default,
+                _aten.alias.default}
 
 
 def _is_getitem(node: fx.Node) -> bool:
@@ -198,13 +204,39 @@ def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: in
             earlier_wait.prepend(n)
 
 
-def _sink_reduce_scatter_waits(graph: fx.Graph) -> None:
-    """Move each reduce_scatter's wait (and what only consumes its result) down to just before the
-    next reduce_scatter, so it overlaps the next bucket's backward compute while at most two
-    gradient buckets are in flight."""
-    (output,) = graph.find_nodes(op="output")
+def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """Each bucket's gradient reduction as (its first collective, the one whose wait may sink), in graph
+    order: its reduce_scatter, twice; with ``quantized_reduce``, the all_to_all of the quantized rows
+    ([Note: block-quantized gradient reduction]) is the second, after the within-node reduce_scatter
+    that feeds it when the bucket reduces in two levels: the step that crosses between nodes is the
+    one to overlap."""
     scatters = list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default))
-    for rs, next_rs in zip(scatters, [*scatters[1:], output]):
+    exchanges = [n for n in graph.find_nodes(op="call_function", target=_c10d.all_to_all_single.default)
+                 if _source(n.args[0]).target is _QUANTIZE]
+    first_of = {rs: rs for rs in scatters}
+    for a2a in exchanges:
+        fed_by = _source(_source(a2a.args[0]).args[0])  # what the quantized gradient holds the values of
+        within = next((rs for rs in scatters if _wait_of(rs) is fed_by), None)  # the within-node sums
+        first_of.pop(within, None)
+        first_of[a2a] = within or a2a
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(((first, last) for last, first in first_of.items()), key=lambda pair: order[pair[0]])
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """``node``, or what it is a view or copy of: up through ops with one tensor input."""
+    while node.op == "call_function" and node.target in _SAME_VALUES and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _sink_reduce_scatter_waits(graph: fx.Graph) -> None:
+    """Move each gradient reduction's wait (and what only consumes its result) down to just before the
+    next reduction, so it overlaps the next bucket's backward compute while at most two gradient
+    buckets are in flight."""
+    (output,) = graph.find_nodes(op="output")
+    reductions = _reductions(graph)
+    for (_, rs), next_rs in zip(reductions, [*(first for first, _ in reductions[1:]), output]):
         wait = _wait_of(rs)
         if wait is None:
             continue
