@@ -211,12 +211,13 @@ def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     that feeds it when the bucket reduces in two levels: the step that crosses between nodes is the
     one to overlap."""
     scatters = list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default))
-    exchanges = [n for n in graph.find_nodes(op="call_function", target=_c10d.all_to_all_single.default)
-                 if _source(n.args[0]).target is _QUANTIZE]
+    scatter_of = {_wait_of(rs): rs for rs in scatters}  # each reduce_scatter by its wait
     first_of = {rs: rs for rs in scatters}
-    for a2a in exchanges:
-        fed_by = _source(_source(a2a.args[0]).args[0])  # what the quantized gradient holds the values of
-        within = next((rs for rs in scatters if _wait_of(rs) is fed_by), None)  # the within-node sums
+    for a2a in graph.find_nodes(op="call_function", target=_c10d.all_to_all_single.default):
+        quantized = _source(a2a.args[0])
+        if quantized.target is not _QUANTIZE:
+            continue  # an exchange of the model's own (expert parallelism)
+        within = scatter_of.get(_source(quantized.args[0]))  # the within-node sums it quantizes (two levels)
         first_of.pop(within, None)
         first_of[a2a] = within or a2a
     order = {n: i for i, n in enumerate(graph.nodes)}
