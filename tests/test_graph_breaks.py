@@ -10,7 +10,7 @@ In the graph-break model Dynamo gives up on the outer frame (the break is inside
 so its input layer runs eagerly before the first backend call shards it: the first step's gradient of
 that layer takes [Note: a parameter used before it was sharded]. The branch is not taken on the first
 step and every other one: its layer keeps ``.grad`` None then, which AdamW's weight decay would show
-([Note: gradients of parameters a step does not use]).
+([Note: the gradient state of a parameter]).
 """
 
 from __future__ import annotations

@@ -39,16 +39,55 @@ gradient shard, points the parameters' ``.grad`` at it and frees the m·S buffer
 micro-batches costs one reduce-scatter per trainable bucket instead of k. The callback runs once
 per bucket per backward even if several graphs (graph breaks) use the bucket.
 
-[Note: gradients of parameters a step does not use]
-One process leaves ``.grad`` None on a parameter no forward of the step used, and optimizers skip it
-(no weight decay, no moment decay, no step count). A bucket's reduced gradient covers all of its
-parameters, so attaching every view would hand such a parameter a zero gradient, and AdamW would
-decay it. So a bucket attaches views only for the parameters a gradient reaches (:attr:`DBuffer.used`):
-a compiled forward notes the parameters it reads (compile/backend.py), an eager gradient its own
-(eager/calls.py). A step starts when the bucket holds no gradient any more (``zero_grad``, or the
-first step): the first note then forgets the last step's set. With ``zero_grad(set_to_none=False)``
-the views stay, as a used parameter's zero gradient does in one process. With nothing noted (a
-gradient from a path that notes nothing) every view is attached, as before.
+[Note: the gradient state of a parameter]
+What one process does, and so what every path here must do: a parameter's ``.grad`` is None until a
+backward *reaches* it (autograd runs its gradient accumulator: the loss depends on it); each backward that
+reaches it adds into ``.grad``; ``zero_grad()`` sets it to None (``set_to_none=False``: zeros it in place);
+a parameter no backward reached keeps ``.grad`` as it was, and optimizers skip one whose ``.grad`` is None
+(no weight decay, no moment decay). Which forward ran is irrelevant: a forward whose loss is dropped, or
+a ``zero_grad()`` between forward and backward, changes nothing a forward noted.
+
+A bucket's reduced gradient covers all its parameters, so the bucket tracks, per trainable parameter,
+the states below; every path (compiled graphs, eager calls, parameters no graph reads, per-block
+compiles, accumulation without sync, the step-boundary settings) moves them through these methods only:
+
+=========================  =====================================================  ===========================
+state                      here                                                   one process
+=========================  =====================================================  ===========================
+no gradient                ``p.grad`` None (its piece of the gradient shard is     ``p.grad`` None
+                           zeroed before the shard is accumulated into again)
+gradient view attached     ``p.grad`` a RaggedShard view of the bucket's          ``p.grad`` the sum of the
+                           gradient shard (the live buffer, ``_grad_ref``)         backwards since cleared
+reached, not yet reduced   name in :attr:`DBuffer.reached`                         (inside backward)
+pending accumulation       name in ``pending_names``; its gradient in the whole   the same sum
+                           sum ``pending.grad``; ``p.grad`` a view, zero until
+                           the flush ([Note: gradient accumulation without sync])
+in flight                  attached view of a reduce-scatter's output, waited     —
+                           when first read ([Note: the last reduce-scatter
+                           overlaps the optimizer step])
+=========================  =====================================================  ===========================
+
+Events:
+
+* *backward reaches p*: a compiled graph that read ``p`` produces the bucket's gradient (its input passes
+  through :func:`note_reached`, whose backward notes the graph's names), or an eager call's hook on ``p``
+  runs (eager/calls.py). Forward notes nothing.
+* *the bucket's gradient is reduced* (the shard's post-accumulate hook, a flush, a deferred reduce):
+  ``reached`` is agreed across the data-parallel ranks (:meth:`DBuffer.agree_reached`: a rank whose
+  micro-batch skipped an expert another rank used reads a reduced gradient for it, as one process on the
+  global batch does), the reduced shard is added into the live buffer (pieces of parameters with no
+  gradient zeroed first), the reached parameters get views (:meth:`DBuffer.attach_grads`) and ``reached``
+  empties. A parameter not reached keeps its state: None stays None, a view keeps its sum (plus zeros).
+* *backward under no sync*: the whole gradient goes to ``pending.grad``; the reached names join
+  ``pending_names`` and get (zero) views at once, so a ``zero_grad(set_to_none=True)`` before the flush is
+  seen: the pending pieces of parameters that lost their view are zeroed before the next accumulation and
+  at the flush. A write into the views meanwhile (``zero_grad(set_to_none=False)``, a clip) would miss
+  the pending sum, so the flush refuses it with an error that names the parameter.
+* *the first synced backward*, or any synced backward while the bucket still has a pending sum (even one
+  that does not reach the bucket: the end of every synced backward flushes every pending bucket of the
+  backward's model, [Note: gradient accumulation without sync]), reduces the pending sum once.
+* *zero_grad*, *freeze / unfreeze* (``requires_grad``), *optimizer step*, ``clip_grad_norm_``: act on the
+  views as on one process's tensors; a frozen parameter is never attached.
 """
 
 from __future__ import annotations
@@ -65,13 +104,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..placement import RaggedShard
 from ..options import QuantizedReduce
 from ..planner import Layout
-from ..tensor import flat_buffers, in_flight
+from ..tensor import collectives, flat_buffers, in_flight
 from ..tensor.ragged_tensor import BUCKET_ATTR, RaggedShardTensor, bucket_of, is_sharded, over_pieces, ragged_part
 from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .whole_values import whole_views
 
-__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "is_unsharded", "mark_unsharded", "pending_leaf"]
+__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "is_unsharded", "mark_unsharded", "note_reached", "pending_leaf", "queue_flush_all"]
 
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
@@ -152,7 +191,11 @@ class DBuffer:
         self.gradient_sync = True  # False inside fsdp_pass.no_sync(model)
         self._pending: torch.Tensor | None = None  # leaf whose .grad sums the unsharded gradients
         self._pending_config: GatherConfig | None = None
-        self._flush_queued = False
+        # trainable parameters whose gradient is in the pending sum ([Note: the gradient state of a parameter])
+        self.pending_names: set[str] = set()
+        # the gradient buffer's version counter when the pending sum's views were last attached: a write
+        # into the views since then is one the pending sum missed
+        self._pending_views_version: int | None = None
         # [Note: the last reduce-scatter overlaps the optimizer step] in step/deferred_reduce.py
         # (kept here, driven by step/deferred_reduce.py)
         self.deferred: torch.Tensor | None = None  # leaf whose .grad is this step's unreduced gradient (m·S)
@@ -161,10 +204,9 @@ class DBuffer:
         # Reduced gradients are divided by this (None: the data-parallel degree, a mean); see
         # fsdp_pass.set_gradient_divide_factor. Compiled graphs hold it as a constant.
         self.gradient_divide_factor: float | None = None
-        # trainable parameters a gradient reaches in this step: only they get .grad views ([Note: gradients
-        # of parameters a step does not use])
-        self.used: set[str] = set()
-        self._used_attached = False  # a gradient was attached for `used` (the next step may start)
+        # trainable parameters a backward reached since the bucket's gradient was last attached: only they
+        # get new .grad views ([Note: the gradient state of a parameter])
+        self.reached: set[str] = set()
         # parameters a compiled graph reads (explain(): the others run through the eager path only,
         # [Note: parameters no graph reads] in compile/passes/unread.py)
         self.compiled_reads: set[str] = set()
@@ -214,8 +256,6 @@ class DBuffer:
 
     def whole_parameter(self, name: str) -> torch.Tensor:
         """``name``'s whole value for an eager op ([Note: eager calls on sharded parameters] in eager/calls.py)."""
-        if torch.is_grad_enabled():  # [Note: gradients of parameters a step does not use]
-            self.note_used((name,))
         return whole_views(self)[name]
 
     def segment_sizes(self) -> list[int]:
@@ -291,32 +331,42 @@ class DBuffer:
         return grad
 
     def attach_grads(self, grad: torch.Tensor) -> None:
-        """Point the ``.grad`` of every trainable parameter used in this step (all, when none was noted) at
-        its view of the gradient shard ``grad`` ([Note: gradients of parameters a step does not use])."""
+        """Point the ``.grad`` of every trainable parameter a backward reached at its view of the gradient
+        shard ``grad``; the others keep theirs ([Note: the gradient state of a parameter])."""
         self._grad_ref = weakref.ref(grad)
-        self._used_attached = True
         flat_buffers.register(grad, self.slots)  # [Note: one kernel per bucket]
-        for name, p in self.params.items():
-            if p.requires_grad and (not self.used or name in self.used) and not _is_view_of(p.grad, grad):
+        for name in self.reached:
+            p = self.params[name]
+            if p.requires_grad and not _is_view_of(p.grad, grad):
                 p.grad = self.wrap(name, self.local_piece(name, grad))
+        self.reached.clear()
+        self.mark_pending_views()  # what was just added or attached is fsdp_pass's own write
 
-    def note_used(self, names: Iterable[str]) -> None:
-        """Parameters ``names`` take part in this step's gradient. The first note after the set was attached
-        starts a new step if the bucket holds no gradient any more ([Note: gradients of parameters a step does
-        not use])."""
-        if self._used_attached and not self._holds_gradient():
-            self.used.clear()
-        self._used_attached = False
-        self.used.update(names)
+    @torch.no_grad()
+    def without_frozen(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (a gradient shard about to be added into the live one) with the pieces of frozen parameters
+        zeroed: a graph over a trainable bucket computes every piece, and a frozen parameter that still holds
+        a ``.grad`` keeps it as it is ([Note: the gradient state of a parameter])."""
+        for name, p in self.params.items():
+            if not p.requires_grad:
+                self.local_piece(name, grad).zero_()
+        return grad
 
-    def _holds_gradient(self) -> bool:
-        """Whether a gradient of this step is held: attached views, an accumulated or a deferred gradient."""
-        if self._pending is not None and self._pending.grad is not None:
-            return True
-        if self.deferred is not None and self.deferred.grad is not None:
-            return True
-        grad = None if self._grad_ref is None else self._grad_ref()
-        return grad is not None and any(_is_view_of(self.params[n].grad, grad) for n in self.used if n in self.params)
+    def note_reached(self, names: Iterable[str]) -> None:
+        """A backward reached parameters ``names`` ([Note: the gradient state of a parameter])."""
+        self.reached.update(names)
+
+    def agree_reached(self) -> None:
+        """Make :attr:`reached` the union over the bucket's data-parallel ranks (one all-reduce of a byte per
+        trainable parameter): the reduced gradient is every rank's, and so is whether a parameter has one."""
+        groups = self.mesh.data_parallel_groups()
+        if not groups:
+            return
+        names = self.trainable_names
+        mask = torch.tensor([name in self.reached for name in names], dtype=torch.uint8, device=self.shard.device)
+        for group in groups:
+            collectives.all_reduce_(mask, group, "max")
+        self.reached.update(name for name, hit in zip(names, mask.tolist()) if hit)
 
     @property
     def trainable_names(self) -> list[str]:
@@ -344,8 +394,11 @@ class DBuffer:
     def pending_input(self, config: GatherConfig) -> torch.Tensor:
         """The autograd leaf whose ``.grad`` accumulates the unsharded gradient (made on first use)."""
         if self._pending is None:
-            self._pending = self.gradient_leaf(config, _queue_flush)
+            self._pending = self.gradient_leaf(config, _pending_accumulated)
+            ref = weakref.ref(self)
+            self._pending.register_hook(lambda grad, ref=ref: _before_pending_accumulates(ref))
             self._pending_config = config
+            _with_pending.append(ref)
         return self._pending
 
     @torch.no_grad()
@@ -356,9 +409,11 @@ class DBuffer:
         leaf = self.pending_input(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
         if leaf.grad is None:
             leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        else:
+            self._settle_pending_views()
         lo, hi = self.layout.global_range(name)
         leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
-        _queue_flush(weakref.ref(self))
+        _pending_accumulated(weakref.ref(self))
 
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
@@ -374,26 +429,71 @@ class DBuffer:
         return 0 if grad is None else grad.numel() * grad.element_size()
 
     @torch.no_grad()
+    def _hold_pending_views(self) -> None:
+        """The parameters this backward reached have their gradient in the pending sum: give them (zero)
+        views now, so that a ``zero_grad`` before the flush is seen ([Note: the gradient state of a parameter])."""
+        self.pending_names |= {name for name in self.reached if self.params[name].requires_grad}
+        self.attach_grads(self.gradient_buffer(create=True))
+
+    def mark_pending_views(self) -> None:
+        """Take the gradient buffer's present contents as what the pending sum's views hold; called after
+        writes of fsdp_pass's own (attaching, an eager hook's zero piece that autograd adds into a view)."""
+        grad = None if self._grad_ref is None else self._grad_ref()
+        if self._pending is not None and grad is not None:
+            self._pending_views_version = grad._version
+
+    @torch.no_grad()
+    def _settle_pending_views(self) -> None:
+        """Before the pending sum grows or is reduced: drop the pending pieces of parameters whose ``.grad``
+        was cleared since, and refuse a write into the views the pending sum cannot follow."""
+        grad = None if self._grad_ref is None else self._grad_ref()
+        if grad is not None and self._pending_views_version is not None and grad._version != self._pending_views_version:
+            written = sorted(n for n in self.pending_names if _is_view_of(self.params[n].grad, grad))
+            if written:
+                raise RuntimeError(
+                    f"the .grad of parameter {written[0]!r} (shape {tuple(self.shapes[written[0]])}) was written in place "
+                    f"(zero_grad(set_to_none=False), a clip or a scale) while its gradient was accumulating without "
+                    f"sync (fsdp_pass.no_sync / set_requires_gradient_sync(False)); the unreduced sum cannot follow "
+                    f"such a write: call zero_grad() with set_to_none=True, or write the gradients after the backward "
+                    f"that syncs")
+        pending = self._pending.grad
+        for name in [n for n in self.pending_names if not _is_view_of(self.params[n].grad, grad)]:
+            lo, hi = self.layout.global_range(name)
+            pending[lo:hi].zero_()
+            self.pending_names.discard(name)
+
+    @torch.no_grad()
     def flush_pending(self) -> None:
         """Reduce-scatter the accumulated gradient once, add it into the gradient shard, free it."""
-        self._flush_queued = False
         pending, config = self._pending, self._pending_config
         if pending is None or pending.grad is None or not self.gradient_sync:
             return
-        self._pending = self._pending_config = None
+        self._settle_pending_views()
+        self._pending = self._pending_config = self._pending_views_version = None
+        self.reached |= self.pending_names
+        self.pending_names = set()
         grad = pending.grad
         pending.grad = None
         del pending
-        self.add_reduced(reduce_gradient(grad, config, self.dtype))
+        self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype))
 
-    def add_reduced(self, reduced: torch.Tensor) -> None:
-        """Add a reduced gradient shard into the bucket's gradient (it becomes the gradient if none) and attach it."""
-        shard_grad = self.gradient_buffer()
-        if shard_grad is None:
-            shard_grad = reduced
-        else:
-            shard_grad.add_(reduced)
-        self.attach_grads(shard_grad)
+    def add_reduced(self, reduce: Callable[[], torch.Tensor]) -> None:
+        """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
+        none) and attach it, as :meth:`attach_reduced` does."""
+        def added() -> torch.Tensor:
+            reduced = self.without_frozen(reduce())
+            shard_grad = self.gradient_buffer()
+            return reduced if shard_grad is None else shard_grad.add_(reduced)
+
+        self.attach_reduced(added)
+
+    def attach_reduced(self, reduce: Callable[[], torch.Tensor]) -> None:
+        """Attach the gradient shard ``reduce()`` returns, the reduction over every data-parallel rank of what
+        was reached: first :attr:`reached` is agreed over those ranks (before ``reduce`` issues its
+        collective), then the parameters reached on any rank get views ([Note: the gradient state of a
+        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`."""
+        self.agree_reached()
+        self.attach_grads(reduce())
 
     @property
     def grad_divisor(self) -> float:
@@ -468,6 +568,32 @@ class DBuffer:
         return f"DBuffer({self.index}: {len(self.names)} params, {self.layout.summary()}, dtype={self.dtype})"
 
 
+class _NoteReached(torch.autograd.Function):
+    """Identity whose backward notes the names a compiled graph read, when a gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ref: weakref.ref, names: tuple[str, ...]) -> torch.Tensor:
+        ctx.ref, ctx.names = ref, names
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        buf = ctx.ref()
+        if grad is not None and buf is not None:
+            buf.note_reached(ctx.names)
+        return grad, None, None
+
+
+def note_reached(x: torch.Tensor, buf: DBuffer, names: tuple[str, ...]) -> torch.Tensor:
+    """``x``, an input of a compiled graph that takes ``buf``'s gradient (its shard, or its pending or deferred
+    leaf), through an identity whose backward tells ``buf`` that a backward reached the parameters ``names``
+    the graph reads there ([Note: the gradient state of a parameter])."""
+    if not x.requires_grad or not torch.is_grad_enabled():
+        return x
+    return _NoteReached.apply(x, weakref.ref(buf), names)
+
+
 def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor) -> bool:
     """Whether ``grad`` (a parameter's ``.grad``) is a RaggedShard view into ``buffer``."""
     if grad is None:
@@ -484,13 +610,49 @@ def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:
     return leaf.detach().requires_grad_(True)
 
 
-def _queue_flush(ref: weakref.ref) -> None:
-    """Post-accumulate-grad hook of a pending leaf: flush at the end of this backward, once."""
+# [Note: gradient accumulation without sync]: the buckets holding a pending sum, in the order their sums started
+# (the same on every rank), process-wide like the backward that flushes them
+_with_pending: list[weakref.ref] = []
+_flush_all_queued = False  # a flush of every pending sum is queued for the end of the running backward
+
+
+def _before_pending_accumulates(ref: weakref.ref) -> None:
+    """Tensor hook of a pending leaf: settle the views before autograd adds into the sum."""
     buf = ref()
-    if buf is None or not buf.gradient_sync or buf._flush_queued:
+    if buf is not None and buf._pending is not None and buf._pending.grad is not None:
+        buf._settle_pending_views()
+
+
+def _pending_accumulated(ref: weakref.ref) -> None:
+    """A pending sum grew: its parameters get views; if the bucket syncs, every pending sum flushes at the end
+    of this backward."""
+    buf = ref()
+    if buf is None:
         return
-    buf._flush_queued = True
-    at_end_of_backward(ref, DBuffer.flush_pending)
+    buf._hold_pending_views()
+    if buf.gradient_sync:
+        queue_flush_all()
+
+
+def queue_flush_all() -> None:
+    """Flush every pending sum whose bucket syncs at the end of the running backward (once per backward): a
+    synced backward that does not reach a bucket still reduces what its micro-batches accumulated."""
+    global _flush_all_queued
+    if _flush_all_queued or not _with_pending:
+        return
+    _flush_all_queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(_flush_all)
+
+
+def _flush_all() -> None:
+    global _flush_all_queued
+    _flush_all_queued = False
+    for ref in list(_with_pending):
+        buf = ref()
+        if buf is not None:
+            buf.flush_pending()
+        if buf is None or buf._pending is None:
+            _with_pending.remove(ref)
 
 
 def at_end_of_backward(ref: weakref.ref, run: Callable[[DBuffer], None]) -> None:

@@ -1,5 +1,13 @@
 """``fsdp_pass::matmul_into``: a weight gradient's matmul writes straight into its slice of the bucket
-gradient (see [Note: gradients written into the bucket] in compile/passes/grad_into_bucket.py)."""
+gradient (see [Note: gradients written into the bucket] in compile/passes/grad_into_bucket.py).
+
+[Note: products written through a transposed target]
+Into a row-major target, ``mm(a, b, out=...)`` runs the kernel ``mm(a, b)`` runs: the values are bitwise
+the product's. Into a transposed target (a stacked expert weight's gradient, stored transposed), BLAS
+may pick another kernel for the same product, and its sums may differ in the last bit: MKL's AVX-512
+kernels do on every input (measured on torch 2.13), its AVX2 kernels agree (``MKL_ENABLE_INSTRUCTIONS=AVX2``).
+So a transposed write is the product up to rounding, and tests compare it with a tolerance, never bitwise.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,9 @@ def matmul_into(out: torch.Tensor, offset: int, a: torch.Tensor, b: torch.Tensor
                 dims: list[int]) -> None:
     """Write ``a @ b`` (``mm`` for 2-D operands, ``bmm`` for 3-D) into ``out[offset:]``: row-major, or
     when ``dims`` is given, as the product viewed as ``stored`` after a ``permute(dims)`` (a transposed
-    weight gradient). The same ``mm`` / ``bmm`` kernel runs with ``out=`` a strided view of the slice:
-    no scratch buffer, bitwise the values of the product."""
+    weight gradient). ``mm`` / ``bmm`` run with ``out=`` a strided view of the slice: no scratch buffer;
+    the values are the product's, bitwise for a row-major target and up to rounding for a transposed one
+    ([Note: products written through a transposed target])."""
     batched = a.dim() == 3
     shape = [a.shape[0], a.shape[1], b.shape[2]] if batched else [a.shape[0], b.shape[1]]
     numel = shape[0] * shape[1] * (shape[2] if batched else 1)

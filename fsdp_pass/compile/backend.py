@@ -48,12 +48,12 @@ from .. import log
 from ..options import Options
 from .passes.outline import Outlined
 from .passes.pipeline import compile_scheduled, run_passes
-from .passes.reshard_within_groups import reshard_setting
+from .passes.reshard_within_groups import GraphReshard, reshard_setting
 from .passes.rewrite import Rewritten, copy_dynamo_graph, hand_out_gradients, take_prefetched
 from ..step import deferred_reduce, prefetch as step_prefetch, reduced_first
 from ..tensor import in_flight
 from ..buckets import uninitialized
-from ..buckets.dbuffer import DBuffer, pending_leaf
+from ..buckets.dbuffer import DBuffer, note_reached, pending_leaf
 from ..buckets.gather import gather_bucket, hand_over
 from .rebind import ShardBinding
 
@@ -191,9 +191,6 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             _warn_running_eagerly(result.sites[0].name)
             return eager_graph(*args)
         buffers, reads = bound
-        if torch.is_grad_enabled():  # [Note: gradients of parameters a step does not use]
-            for buf, names in zip(buffers, reads):
-                buf.note_used(names)
         if uninitialized.any_pending():  # [Note: uninitialized shards]
             uninitialized.check_buckets(buffers)
         if in_flight.any_in_flight():  # nobody read last step's gradient: finish its reduce-scatter
@@ -205,16 +202,19 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         rest_args = [a for i, a in enumerate(args) if i not in dropped]
         if trainable and torch.is_grad_enabled() and any(buffers[i].accumulating for i in trainable):
             unreduced = trainable
-            leaves = [buffers[i].pending_input(configs[i]) for i in sorted(trainable)]
+            leaves = [buffers[i].pending_input(configs[i]) for i in sorted(unreduced)]
         else:
             unreduced = plain
-            leaves = [deferred_reduce.deferred_input(buffers[i], configs[i]) for i in plain]
+            leaves = [deferred_reduce.deferred_input(buffers[i], configs[i]) for i in sorted(unreduced)]
             if opts.step_reduced_first:  # [Note: the reduced gradients are stepped first]
                 for i in plain:
                     reduced_first.enable(buffers[i])
         prefetched = bool(taken) and _take_prefetched(buffers)
         if not prefetched:
             step_prefetch.discard(buffers)
+        # [Note: the gradient state of a parameter]: backward tells each bucket what this graph read
+        shards = [note_reached(shard, buf, names) for shard, buf, names in zip(shards, buffers, reads)]
+        leaves = [note_reached(leaf, buffers[i], reads[i]) for leaf, i in zip(leaves, sorted(unreduced))]
         return variants[VariantKey(unreduced, prefetched)](*shards, *leaves, *rest_args)
 
     def _take_prefetched(buffers: list[DBuffer]) -> bool:
@@ -292,16 +292,21 @@ def _check_divide_factors(buffers: list[DBuffer], configs: list) -> None:
             )
 
 
-def _check_reshard_after_forward(buffers: list[DBuffer], option: bool | int, compiled: bool | int) -> None:
+def _check_reshard_after_forward(buffers: list[DBuffer], option: bool | int, compiled: GraphReshard) -> None:
     """A compiled graph reshards after forward as its buckets said when it compiled: refuse to train once
     they say otherwise (``FSDPModule.set_reshard_after_forward`` after the first compiled call)."""
     now = reshard_setting(option, buffers)
     if now != compiled:
         raise RuntimeError(
-            f"bucket {buffers[0].index} ({buffers[0].names[0]!r}, ...) now has reshard_after_forward={now!r}, but its "
-            f"compiled graph was made with {compiled!r}; call set_reshard_after_forward before the first compiled call "
-            f"(or torch._dynamo.reset() to compile again)"
+            f"bucket {buffers[0].index} ({buffers[0].names[0]!r}, ...) now has reshard_after_forward="
+            f"{_reshard_text(now)}, but its compiled graph was made with {_reshard_text(compiled)}; call "
+            f"set_reshard_after_forward before the first compiled call (or torch._dynamo.reset() to compile again)"
         )
+
+
+def _reshard_text(setting: GraphReshard) -> str:
+    kept = f" (False for the buckets at {sorted(setting.kept)})" if setting.kept else ""
+    return f"{setting.after!r}{kept}"
 
 
 class VariantKey(NamedTuple):

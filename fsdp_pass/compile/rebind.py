@@ -67,7 +67,7 @@ class ShardBinding:
 
     def names_read(self, buffers: Sequence[DBuffer]) -> list[tuple[str, ...]]:
         """Per bucket of ``buffers`` (laid out as the graph's), the names of the parameters the graph reads
-        there ([Note: gradients of parameters a step does not use] in buckets/dbuffer.py)."""
+        there ([Note: the gradient state of a parameter] in buckets/dbuffer.py)."""
         read = []
         for buf, segments in zip(buffers, self._read_segments):
             names = [name for name, _ in buf.layout.segments()]

@@ -50,10 +50,10 @@ import weakref
 import torch
 
 from ..tensor import collectives
-from ..buckets.dbuffer import DBuffer
+from ..buckets.dbuffer import DBuffer, queue_flush_all
 from ..tensor.ragged_tensor import RaggedShardTensor
 
-__all__ = ["reduce_eager_gradient", "reduce_gradient_of_swapped_out"]
+__all__ = ["eager_gradient_added", "reduce_eager_gradient", "reduce_gradient_of_swapped_out"]
 
 @torch.no_grad()
 def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> torch.Tensor | None:
@@ -75,10 +75,9 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     spec = buf.dtensor_specs.get(name)
     if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
         grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
-    buf.note_used([name])  # [Note: gradients of parameters a step does not use]
+    buf.note_reached([name])  # [Note: the gradient state of a parameter] in buckets/dbuffer.py
     if buf.accumulating:  # no_sync, or a gradient already pending: reduced once, at the step's last backward
         buf.add_pending(name, grad.detach().reshape(-1))
-        buf.attach_grads(buf.gradient_buffer(create=True))
         return buf.wrap(name, torch.zeros_like(buf.local_piece(name)))
     whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
     for group in buf.mesh.data_parallel_groups():
@@ -86,7 +85,17 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     a, b = buf.layout.local_range(name, buf.rank)
     piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
     buf.attach_grads(buf.gradient_buffer(create=True))
+    queue_flush_all()  # what earlier micro-batches accumulated without sync
     return buf.wrap(name, piece)
+
+
+def eager_gradient_added(ref: weakref.ref, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a sharded parameter: under ``no_sync`` autograd has just added the zero
+    piece :func:`reduce_eager_gradient` returned into the parameter's view, a write of fsdp_pass's own
+    ([Note: the gradient state of a parameter] in buckets/dbuffer.py)."""
+    buf = ref()
+    if buf is not None:
+        buf.mark_pending_views()
 
 
 @torch.no_grad()

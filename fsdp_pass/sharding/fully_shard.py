@@ -15,7 +15,7 @@ from .buckets import ShardingConfig, check_one_device
 from .fp8_select import plan_fp8
 from .forward_casts import register_forward_casts
 from .fsdp_module import FSDPPassModule, swap_to_fsdp_class
-from .ignored import is_ignored, mark_ignored
+from ..buckets.ignored import is_ignored, mark_ignored
 from .materialize import shard_with_blocks
 from .meta_init import MetaInit
 from .mesh_roles import model_mesh_dims, resolve_mesh

@@ -30,11 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..buckets.dbuffer import DBuffer
+from ..buckets.dbuffer import DBuffer, queue_flush_all
 from ..buckets.list_kernels import install_list_kernels_for_sharded_parameters
 from ..buckets.mesh import ShardingMesh
 from ..buckets.settings import apply_recorded
-from ..eager.calls import reduce_eager_gradient, reduce_gradient_of_swapped_out
+from ..eager.calls import eager_gradient_added, reduce_eager_gradient, reduce_gradient_of_swapped_out
 from ..interop.mixed_lists import install_mixed_list_handlers
 from ..interop.state_dict import install_state_dict_api
 from ..interop.torch_patches import install_full_state_dict_gather, install_wrapper_refusals
@@ -118,6 +118,7 @@ def materialize(plans: list[BucketPlan], device_type: str) -> list[DBuffer]:
                 p = by_name[name]
                 if p.requires_grad:
                     p.register_hook(functools.partial(reduce_eager_gradient, ref, name))
+                    p.register_post_accumulate_grad_hook(functools.partial(eager_gradient_added, ref))
         buffers.append(buf)
     return buffers
 
@@ -184,11 +185,15 @@ def _install_whole_random_fills() -> None:
         handlers.setdefault(op, _any_or_all_whole)
 
 
-def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor) -> None:
-    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer."""
+def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor | None) -> torch.Tensor | None:
+    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer, and
+    keep the frozen parameters' pieces of ``incoming`` out of it. An undefined ``incoming`` (a graph that
+    hands this bucket's gradient to a pending leaf instead) adds nothing."""
     buf = ref()
-    if buf is not None:
+    if buf is not None and incoming is not None:
         buf.shard.grad = buf.gradient_buffer()
+        if buf.shard.grad is not None and len(buf.trainable_names) < len(buf.params):
+            return buf.without_frozen(incoming.clone())  # added into parameters' views, frozen ones' too
 
 
 def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
@@ -196,7 +201,8 @@ def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
     buf = ref()
     if buf is not None and shard.grad is not None:
         grad, shard.grad = shard.grad, None
-        buf.attach_grads(grad)
+        buf.attach_reduced(lambda: grad)
+        queue_flush_all()  # what earlier micro-batches accumulated without sync
 
 
 def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:

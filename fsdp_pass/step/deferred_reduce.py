@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from ..buckets.dbuffer import DBuffer, at_end_of_backward
+from ..buckets.dbuffer import DBuffer, at_end_of_backward, queue_flush_all
 from ..buckets.gather import GatherConfig, reduce_gradient
 from ..tensor import in_flight
 
@@ -78,9 +78,10 @@ def reduce_deferred(buf: DBuffer) -> None:
     # and dequantize-and-sum are not what in_flight.track settles
     if (buf.gradient_buffer() is None and config.shard_world > 1 and config.replicate_world == 1
             and config.reduce_dtype == buf.dtype and config.quantized_reduce is None):
-        buf.attach_grads(start(grad, config))
+        buf.attach_reduced(lambda: start(grad, config))
     else:
-        buf.add_reduced(reduce_gradient(grad, config, buf.dtype))
+        buf.add_reduced(lambda: reduce_gradient(grad, config, buf.dtype))
+    queue_flush_all()  # what earlier micro-batches accumulated without sync
 
 
 def _queue_reduce(ref: weakref.ref) -> None:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
+from ..buckets.ignored import is_ignored
 from ..tensor.ragged_tensor import bucket_of, is_sharded
 
 __all__ = ["install_plain_gradient_check"]
@@ -45,7 +46,8 @@ def _check_plain_gradients(optimizer: torch.optim.Optimizer, args, kwargs) -> No
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sharded = next((p for p in params if is_sharded(p)), None)
-    plain = [p for p in params if p.requires_grad and not is_sharded(p) and not isinstance(p, DTensor)]
+    plain = [p for p in params if p.requires_grad and not is_sharded(p) and not isinstance(p, DTensor)
+             and not is_ignored(p)]  # [Note: ignored parameters stay whole]: their gradients are the user's
     if sharded is None or not plain:
         _checked.add(optimizer)
         return

@@ -47,11 +47,15 @@ def in_live_graph(t: torch.Tensor) -> bool:
     """Whether an autograd graph not yet run backward holds leaf ``t``'s gradient accumulator: a forward
     used ``t`` before the swap, and its backward would accumulate into the contents swapped out
     ([Note: a parameter used before it was sharded] in eager/calls.py). The accumulator is the second
-    owner of a leaf's contents (``torch.utils.swap_tensors`` reads the count the same way)."""
+    owner of a leaf's contents (``torch.utils.swap_tensors`` reads the count the same way); the second owner
+    may also be a view kept from a ``no_grad`` block, which holds its base: holding the accumulator tells
+    them apart, since only one made here adds an owner."""
     if not (t.is_leaf and t.requires_grad and t._use_count() == 2):
         return False
-    torch.autograd.graph.get_gradient_edge(t)  # made here if there was none: the count drops back with it
-    return t._use_count() == 2
+    edge = torch.autograd.graph.get_gradient_edge(t)  # the live graph's accumulator, or a new one held here
+    held_by_a_graph = t._use_count() == 2
+    del edge
+    return held_by_a_graph
 
 
 _MISSING = object()

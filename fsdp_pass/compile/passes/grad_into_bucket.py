@@ -15,7 +15,8 @@ into the bucket gradient itself:
 
 ``matmul_into`` (buckets/matmul_into.py) runs the same ``mm``/``bmm`` with ``out=`` a strided view of
 the slice, so values are bitwise those of the ``cat`` graph; a transposed product (a stacked-expert
-weight's ``bmm`` then ``permute``) is written through a permuted view. The gradients that are still
+weight's ``bmm`` then ``permute``) is written through a permuted view, where BLAS may sum in another order
+([Note: products written through a transposed target]). The gradients that are still
 copied (reductions under Inductor, which compute into a scratch first; every non-matmul gradient
 under aot_eager; producers this pass does not know) are recorded on their bucket's
 ``DBuffer.gradient_copies``, which ``explain()`` prints. The graph order is kept: each write takes

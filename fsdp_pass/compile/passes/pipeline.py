@@ -28,7 +28,7 @@ from ...options import Options
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
-from ...sharding.ignored import is_ignored
+from ...buckets.ignored import is_ignored
 from ..shared_cache import cache_compiled_graphs, compile_in_turn
 from .detect import ParamSite, find_parameters
 from .grad_into_bucket import write_gradients_into_buckets
@@ -102,9 +102,9 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
     ``taken``: the buckets (slot → gather arguments) the graph takes already gathered in forward, which
     backward gathers again ([Note: the next step's first gather starts at the optimizer step])."""
     reshard = reshard_setting(opts.reshard_after_forward, buffers)
-    group_of = None if isinstance(reshard, bool) else node_groups(reshard, buffers, taken)  # k: within node groups
-    joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of) \
-        if reshard else None
+    group_of = None if isinstance(reshard.after, bool) else node_groups(reshard.after, buffers, taken)  # k: node groups
+    joint_pass = functools.partial(_reshard_after_forward, keep_last=not opts.reshard_last_bucket, group_of=group_of,
+                                   kept=reshard.kept) if reshard.after else None
     patch = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     shared = opts.shared_compile_cache and opts.compiler == "inductor"
     with patch, compile_in_turn(shared), cache_compiled_graphs(shared, gm, opts, buffers):
@@ -129,14 +129,14 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
 
 
 def _reshard_after_forward(gm: fx.GraphModule, joint_inputs: Any, keep_last: bool,
-                           group_of: Callable | None) -> fx.GraphModule:
+                           group_of: Callable | None, kept: frozenset[int]) -> fx.GraphModule:
     """The joint-graph pass: parameter views saved by a shared block's subgraph replayed from the gather
     chains ([Note: repeated blocks compiled once]), then the gather chains tagged for recomputation, or
     with ``group_of`` resharded within node groups ([Note: reshard within a node after forward])."""
     rematerialize_parameter_views(gm, gather_chains(gm).__contains__)
     if group_of is not None:
         return reshard_within_groups(gm, group_of, keep_last=keep_last)
-    return tag_reshard_after_forward(gm, joint_inputs, keep_last=keep_last)
+    return tag_reshard_after_forward(gm, joint_inputs, keep_last=keep_last, kept=kept)
 
 
 def _scheduled(opts: Options, sink: GraphSink, buffers: Sequence[DBuffer], taken: Mapping[int, GatherConfig] | None,

@@ -33,7 +33,7 @@ with ``True``.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,7 +44,7 @@ from ...buckets.gather import GatherConfig
 from ...buckets.mesh import NodeGroup
 from .schedule import _RECOMPUTE_GRAPH_ID, _add, _chain, _gather_heads
 
-__all__ = ["node_groups", "reshard_setting", "reshard_within_groups"]
+__all__ = ["GraphReshard", "node_groups", "reshard_setting", "reshard_within_groups"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -128,21 +128,34 @@ def _(full, start, numel):
     return full.new_empty(numel)
 
 
-def reshard_setting(option: bool | int, buffers: Sequence[DBuffer]) -> bool | int:
+class GraphReshard(NamedTuple):
+    """What one compiled graph does after forward."""
+
+    after: bool | int  # True, False, or a node group size k ([Note: reshard within a node after forward])
+    # positions (in the graph's buckets) whose gathered buffer stays for backward although the graph reshards
+    # the others: fully_shard(reshard_after_forward=False), or the root's under None, in one graph with
+    # inner modules that reshard (FSDP2 decides per module)
+    kept: frozenset[int] = frozenset()
+
+
+def reshard_setting(option: bool | int, buffers: Sequence[DBuffer]) -> GraphReshard:
     """What a graph over ``buffers`` does after forward: ``options["reshard_after_forward"]`` when not
-    the default True, else the setting ``fully_shard(..., reshard_after_forward=...)`` left on the
-    buckets (True when none did)."""
+    the default True, else the settings ``fully_shard(..., reshard_after_forward=...)`` left on the
+    buckets (True when none did): one for all, or True with the buckets set to False kept."""
     if option is not True:
-        return option
+        return GraphReshard(option)
     settings = {buf.reshard_after_forward for buf in buffers}
+    if settings == {True, False}:
+        return GraphReshard(True, frozenset(i for i, b in enumerate(buffers) if b.reshard_after_forward is False))
     if len(settings) > 1:
         names = {s: next(b.names[0] for b in buffers if b.reshard_after_forward == s) for s in settings}
         raise ValueError(
             f"one compiled graph uses parameters sharded with different reshard_after_forward settings "
-            f"({', '.join(f'{n!r}: {s!r}' for s, n in names.items())}); give them one fully_shard setting, "
-            f"compile them as separate graphs, or pass options['reshard_after_forward'] to decide for the graph"
+            f"({', '.join(f'{n!r}: {s!r}' for s, n in names.items())}); a group size k mixes with no other "
+            f"setting in one graph: give them one fully_shard setting, compile them as separate graphs, or pass "
+            f"options['reshard_after_forward'] to decide for the graph"
         )
-    return settings.pop() if settings else True
+    return GraphReshard(settings.pop() if settings else True)
 
 
 def node_groups(size: int, buffers: Sequence[DBuffer],

@@ -92,18 +92,31 @@ def _chain(head: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def _shard_of(head: fx.Node) -> fx.Node:
+    """The shard placeholder a gather head reads (through its cast or FP8 pack)."""
+    source = head.args[0]
+    while source.op != "placeholder":
+        source = source.args[0]
+    return source
+
+
 def gather_chains(gm: fx.GraphModule) -> set[fx.Node]:
     """Every node of every gather chain of ``gm`` (what recomputing a gather recomputes)."""
     return {n for head in _gather_heads(gm) for n in _chain(head)}
 
 
-def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: bool = True) -> fx.GraphModule:
+def tag_reshard_after_forward(gm: fx.GraphModule, joint_inputs=None, keep_last: bool = True,
+                              kept: frozenset[int] = frozenset()) -> fx.GraphModule:
     """Mark the forward all_gathers (and the buffers taken in place of one, [Note: the next step's
     first gather starts at the optimizer step]), the cast feeding each and its view chain
     MUST_RECOMPUTE; with ``keep_last``, all but the last one of a graph of several ([Note: the last
-    bucket stays gathered into backward])."""
+    bucket stays gathered into backward]); none of the buckets at positions ``kept`` (the graph's first
+    placeholders are its buckets' shards, in order)."""
     gathers = _gather_heads(gm)
+    shards = list(gm.graph.find_nodes(op="placeholder"))
     for node in gathers[:-1] if keep_last and len(gathers) > 1 else gathers:
+        if kept and shards.index(_shard_of(node)) in kept:
+            continue
         for n in _chain(node):
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = _RECOMPUTE_GRAPH_ID

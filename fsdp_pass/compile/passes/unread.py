@@ -43,12 +43,12 @@ from ...options import Options
 from ...sharding.blocks import block_size
 from ...sharding.buckets import ShardingConfig
 from ...sharding.fp8_select import plan_fp8
-from ...sharding.ignored import is_ignored
+from ...buckets.ignored import is_ignored
 from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from ...tensor.ragged_tensor import is_sharded
 
-__all__ = ["compiled_module", "shard_unread_parameters", "shard_with_options"]
+__all__ = ["compiled_module", "compiled_roots", "shard_unread_parameters", "shard_with_options"]
 
 _MODULE_CALLS = frozenset({nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__})
 
@@ -81,10 +81,14 @@ def shard_with_options(named: Sequence[tuple[str, nn.Parameter]], opts: Options,
     return shard_with_blocks(named, mesh, config, blocks, fp8)
 
 
-def shard_unread_parameters(traced: Sequence[nn.Module], opts: Options) -> list[DBuffer]:
-    """Shard the parameters of the compiled module and of the ``traced`` roots that are not sharded yet
+def compiled_roots(traced: Sequence[nn.Module]) -> list[nn.Module]:
+    """The compiled module and the ``traced`` roots, once each ([Note: parameters no graph reads])."""
+    return list(dict.fromkeys([m for m in (compiled_module(), *traced) if m is not None]))
+
+
+def shard_unread_parameters(roots: Sequence[nn.Module], opts: Options) -> list[DBuffer]:
+    """Shard the parameters of the compiled ``roots`` (:func:`compiled_roots`) that are not sharded yet
     ([Note: parameters no graph reads]); returns the new DBuffers."""
-    roots = list(dict.fromkeys([m for m in (compiled_module(), *traced) if m is not None]))
     seen: set[int] = set()
     rest: list[tuple[str, nn.Parameter]] = []
     for root in roots:
@@ -97,9 +101,6 @@ def shard_unread_parameters(traced: Sequence[nn.Module], opts: Options) -> list[
     if not rest:
         return []
     new = shard_with_options(rest, opts)
-    for buf in new:
-        # no graph sets them: eager calls compute in the graphs' dtype and divide like them
+    for buf in new:  # no graph sets it: eager calls compute in the graphs' dtype
         buf.apply_settings(compute_dtype=opts.param_dtype)
-        if opts.gradient_divide_factor is not None:
-            buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return new
