@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.buckets.dbuffer import DBuffer
+from fsdp_pass.buckets.dbuffer import DBuffer, note_reached
 from fsdp_pass.buckets.gather import gather_bucket
 from fsdp_pass.buckets.mesh import ShardingMesh
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
@@ -68,9 +68,14 @@ def _expected_shard_grad(buf: DBuffer, dp_world: int) -> torch.Tensor:
     return full[buf.rank * size : (buf.rank + 1) * size]
 
 
+def _as_graph_input(buf: DBuffer) -> torch.Tensor:
+    """The shard as the backend hands it to a compiled graph that reads every parameter of the bucket."""
+    return note_reached(buf.shard, buf, tuple(buf.names))
+
+
 def _backward_known_grads(buf: DBuffer, dp_rank: int) -> None:
     """Gather the bucket with autograd, then backpropagate a loss whose gradient per view is known."""
-    global_buffer = gather_bucket(buf.shard, **buf.config(buf.dtype, buf.dtype)._asdict())
+    global_buffer = gather_bucket(_as_graph_input(buf), **buf.config(buf.dtype, buf.dtype)._asdict())
     loss = sum((view * _known_grad(name, dp_rank)).sum() for name, view in buf.views(global_buffer).items())
     loss.backward()
 
@@ -213,7 +218,7 @@ def _check_backward_copies_are_the_known_ones(mesh: ShardingMesh, dp_rank: int) 
         "_GatherBucketBackward > aten::div > aten::to > aten::_to_copy > aten::copy_",
     ]
     for buf in buffers:
-        views = buf.views(gather_bucket(buf.shard, **buf.config(buf.dtype, buf.dtype)._asdict()))
+        views = buf.views(gather_bucket(_as_graph_input(buf), **buf.config(buf.dtype, buf.dtype)._asdict()))
         known = [_known_grad(name, dp_rank) for name in views]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             torch.autograd.backward(list(views.values()), known)

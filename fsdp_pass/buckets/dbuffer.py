@@ -84,8 +84,9 @@ Events:
   at the flush. A write into the views meanwhile (``zero_grad(set_to_none=False)``, a clip) would miss
   the pending sum, so the flush refuses it with an error that names the parameter.
 * *the first synced backward*, or any synced backward while the bucket still has a pending sum (even one
-  that does not reach the bucket: the end of every synced backward flushes every pending bucket of the
-  backward's model, [Note: gradient accumulation without sync]), reduces the pending sum once.
+  that does not reach the bucket: the end of every backward that reduces a gradient flushes every pending
+  sum whose bucket syncs, in the order the sums started, :func:`queue_flush_all`), reduces the pending sum
+  once.
 * *zero_grad*, *freeze / unfreeze* (``requires_grad``), *optimizer step*, ``clip_grad_norm_``: act on the
   views as on one process's tensors; a frozen parameter is never attached.
 """
@@ -365,7 +366,7 @@ class DBuffer:
         names = self.trainable_names
         mask = torch.tensor([name in self.reached for name in names], dtype=torch.uint8, device=self.shard.device)
         for group in groups:
-            collectives.all_reduce_(mask, group, "max")
+            mask = collectives.all_reduced(mask, group, "max")
         self.reached.update(name for name, hit in zip(names, mask.tolist()) if hit)
 
     @property

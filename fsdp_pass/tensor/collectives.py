@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 
 from .in_flight import settle_before_collective
 
-__all__ = ["all_gather_padded", "all_reduce_", "all_to_all_uneven", "group_size"]
+__all__ = ["all_gather_padded", "all_reduce_", "all_reduced", "all_to_all_uneven", "group_size"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -33,17 +33,23 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def all_reduced(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """``tensor`` reduced over ``group`` (``op``: "sum", "max", "min", "avg"), as a new tensor (``tensor``
+    itself when the group has one rank)."""
+    if group_size(group) == 1:
+        return tensor
+    settle_before_collective(tensor.device)
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor, op, group.group_name))
+
+
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` (``op``: "sum", "max", "min", "avg"); returns it.
 
     Runs the out-of-place functional all_reduce and copies back: functionalization (aot_autograd)
     rejects the in-place functional op, and the copy is one pass over what was just reduced.
     """
-    if group_size(group) == 1:
-        return tensor
-    settle_before_collective(tensor.device)
-    reduced = _c10d.wait_tensor(_c10d.all_reduce(tensor, op, group.group_name))
-    return tensor.copy_(reduced)
+    reduced = all_reduced(tensor, group, op)
+    return tensor if reduced is tensor else tensor.copy_(reduced)
 
 
 def all_to_all_uneven(

@@ -15,7 +15,8 @@ Programs keep to what one process and every rank can both run: a backward only a
 optimizer step only with no loss held (its backward would read overwritten weights), a step or a clip only
 while syncing and with no gradient left unreduced by ``no_sync`` (the user's own error, as in FSDP2), no
 ``zero_grad(set_to_none=False)`` while a sum is unreduced (refused with an error:
-tests/test_loop_programs.py), the same branch and experts on every rank.
+tests/test_loop_programs.py), no freezing before the first forward (a parameter frozen when sharded is
+refused once unfrozen), the same branch and experts on every rank.
 
 A skewed forward (``Event.skew``: ranks run different experts, as a router sends their tokens apart) is
 for named cases that first compile each graph on every rank: a compile is collective (sharding/agreement.py
@@ -37,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_pass
+from fsdp_pass.tensor import in_flight
 
 __all__ = ["BranchyModel", "Event", "SHARDINGS", "TOLERANCE", "describe", "draw_program", "run_programs", "shrink"]
 
@@ -197,7 +199,8 @@ def draw_program(seed: int, length: int = 14) -> list[Event]:
             syncing = not syncing
             program.append(Event("sync", on=syncing))
         elif choice == "freeze":
-            program.append(Event("freeze", on=rng.random() < 0.5, target=rng.choice(_FREEZABLE)))
+            if any(e.kind == "forward" for e in program):  # frozen when sharded: refused once unfrozen
+                program.append(Event("freeze", on=rng.random() < 0.5, target=rng.choice(_FREEZABLE)))
         elif choice == "clip":
             if syncing and not unsynced_grad:
                 program.append(Event("clip"))
@@ -208,7 +211,7 @@ def draw_program(seed: int, length: int = 14) -> list[Event]:
 
 def _well_formed(program: Sequence[Event]) -> bool:
     """Whether a (shrunk) program still keeps the rules :func:`draw_program` keeps."""
-    loss_held, syncing, unsynced_grad = False, True, False
+    loss_held, syncing, unsynced_grad, forwarded = False, True, False, False
     for e in program:
         if e.kind == "forward":
             loss_held = True
@@ -224,6 +227,9 @@ def _well_formed(program: Sequence[Event]) -> bool:
             return False
         elif e.kind == "step" and loss_held:
             return False
+        elif e.kind == "freeze" and not forwarded:
+            return False
+        forwarded = forwarded or e.kind == "forward"
     return True
 
 
@@ -310,6 +316,8 @@ def run_program(program: Sequence[Event], sharding: str, rank: int, world: int, 
                 _compare(where, model, reference)
     except _Mismatch as error:
         return str(error)
+    finally:
+        in_flight.settle_all()  # a reduce-scatter the program left in flight ends with it, on every rank
     return None
 
 

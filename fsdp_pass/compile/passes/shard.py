@@ -49,6 +49,8 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
     buckets = {s.name: bucket_of(s.param) for s in sites}
     for buf, _ in buckets.values():
         check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
+    for s in sites:
+        _check_trainable_bucket(s.name, s.param)
     if opts.gradient_divide_factor is not None:
         # every bucket of the compiled modules divides so, the ones whose parameters only eager code reads too
         # (fully_shard made them; the eager path divides by the bucket's factor)
@@ -57,6 +59,18 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
         for buf in targets.values():
             buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return Sharded(buckets, new)
+
+
+def _check_trainable_bucket(name: str, p: nn.Parameter) -> None:
+    """A parameter frozen when it was sharded sits in a bucket that collects no gradient: refuse to train it
+    once unfrozen, rather than leave its ``.grad`` None ([Note: the gradient state of a parameter])."""
+    buf, _ = bucket_of(p)
+    if p.requires_grad and not buf.shard.requires_grad:
+        raise RuntimeError(
+            f"parameter {name!r} (shape {tuple(p.shape)}) was frozen (requires_grad=False) when it was sharded, so "
+            f"its bucket collects no gradient, but it requires grad now; unfreeze it before fully_shard or before "
+            f"the first compiled call (which shards the model), or keep it frozen"
+        )
 
 
 def _traced_modules(sites: Sequence[ParamSite]) -> list[nn.Module]:
