@@ -200,6 +200,10 @@ def script_parser(script: str):
         from fsdp_pass.plan.cli import build_parser
 
         return _exact(build_parser()).parse_args
+    if script.startswith("fsdp_pass."):  # python -m fsdp_pass.<module>
+        module = importlib.import_module(script)
+        assert hasattr(module, "build_parser"), f"{script} has no build_parser() to check its command lines with"
+        return _exact(module.build_parser()).parse_args
     path = ROOT / script
     assert path.is_file(), f"no script {script}"
     with _isolated_import():
@@ -229,6 +233,8 @@ def command_errors(command: str, in_block: bool, parsers: dict) -> str | None:
         script, args = launched.training_script, launched.training_script_args
     elif tokens[:3] == ["python", "-m", "fsdp_pass"]:
         script, args = "fsdp_pass", tokens[3:]
+    elif tokens[:2] == ["python", "-m"] and tokens[2].startswith("fsdp_pass."):
+        script, args = tokens[2], tokens[3:]
     else:
         script, args = tokens[1], tokens[2:]
     if script not in parsers:

@@ -422,6 +422,7 @@ def _sharded_llama():
 def _grads_into_buckets(model: nn.Module, ref: nn.Module, gen: torch.Generator) -> None:
     """Fresh gradients where a backward leaves them: the sharded ones in their buckets' gradient shards."""
     for buf in buffers_of(model):
+        buf.note_reached(buf.names)  # as a backward that reached every parameter
         buf.attach_grads(buf.gradient_buffer(create=True))
     for p, q in zip(model.parameters(), ref.parameters()):
         q.grad = torch.randn(q.shape, generator=gen)

@@ -27,8 +27,10 @@ reach the same parameters (as FSDP2's do), nor for a rank that skips a whole buc
 
 from __future__ import annotations
 
+import argparse
 import copy
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,8 +39,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fsdp_pass
-from fsdp_pass.tensor import in_flight
+from ..buckets.gradient_sync import set_requires_gradient_sync
+from ..sharding.fully_shard import fully_shard
+from ..tensor import in_flight
 
 __all__ = ["BranchyModel", "Event", "SHARDINGS", "TOLERANCE", "describe", "draw_program", "run_programs", "shrink"]
 
@@ -101,8 +104,8 @@ def _units(model: BranchyModel) -> list[nn.Module]:
 
 def _eager(model: nn.Module, options: dict) -> Callable:
     for unit in _units(model):
-        fsdp_pass.fully_shard(unit)
-    fsdp_pass.fully_shard(model)
+        fully_shard(unit)
+    fully_shard(model)
     return model
 
 
@@ -301,7 +304,7 @@ def run_program(program: Sequence[Event], sharding: str, rank: int, world: int, 
                 opt.zero_grad(set_to_none=e.set_to_none)
                 ref_opt.zero_grad(set_to_none=e.set_to_none)
             elif e.kind == "sync":
-                fsdp_pass.set_requires_gradient_sync(model, e.on)
+                set_requires_gradient_sync(model, e.on)
             elif e.kind == "freeze":
                 for m in (model, reference):
                     for p in m.get_submodule(e.target).parameters():
@@ -377,20 +380,21 @@ def _soak(rank: int, world: int, first: int, count: int, shardings: list[str], h
     return {"found": found, "ran": count * len(shardings)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fsdp_pass.testing.loop_programs --programs N``: run N generated loop programs (seeds
-    ``--first`` on) under every sharding on 2 gloo ranks (``--hsdp``: 4 ranks as a 2×2 mesh), print what differs."""
-    import argparse
-    import time
-
-    from .spawn import run_distributed
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--programs", type=int, default=200)
     parser.add_argument("--first", type=int, default=0, help="seed of the first program")
     parser.add_argument("--sharding", action="append", choices=sorted(SHARDINGS), help="default: all")
     parser.add_argument("--hsdp", action="store_true", help="4 ranks, a (2, 2) replicate × shard mesh")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fsdp_pass.testing.loop_programs --programs N``: run N generated loop programs (seeds
+    ``--first`` on) under every sharding on 2 gloo ranks (``--hsdp``: 4 ranks as a 2×2 mesh), print what differs."""
+    from .spawn import run_distributed
+
+    args = build_parser().parse_args(argv)
     world = 4 if args.hsdp else 2
     started = time.perf_counter()
     result = run_distributed(_soak, world, args.first, args.programs, args.sharding or list(SHARDINGS), args.hsdp,
