@@ -103,9 +103,10 @@ def _units(model: BranchyModel) -> list[nn.Module]:
 
 
 def _eager(model: nn.Module, options: dict) -> Callable:
+    mesh = options.get("mesh")
     for unit in _units(model):
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mesh)
+    fully_shard(model, mesh)
     return model
 
 
