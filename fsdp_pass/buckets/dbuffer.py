@@ -76,9 +76,7 @@ Events:
   ``reached`` is agreed across the data-parallel ranks (:meth:`DBuffer.agree_reached`: a rank whose
   micro-batch skipped an expert another rank used reads a reduced gradient for it, as one process on the
   global batch does), the reduced shard is added into the live buffer (pieces of parameters with no
-  gradient zeroed first; the reduced pieces of parameters no rank reached left out,
-  :meth:`DBuffer.only_reached`: a graph computes them for a parameter frozen at its forward too), the
-  reached parameters get views (:meth:`DBuffer.attach_grads`) and ``reached``
+  gradient zeroed first), the reached parameters get views (:meth:`DBuffer.attach_grads`) and ``reached``
   empties. A parameter not reached keeps its state: None stays None, a view keeps its sum (plus zeros).
 * *backward under no sync*: the whole gradient goes to ``pending.grad``; the reached names join
   ``pending_names`` and get (zero) views at once, so a ``zero_grad(set_to_none=True)`` before the flush is
@@ -90,9 +88,7 @@ Events:
   sum whose bucket syncs, in the order the sums started, :func:`queue_flush_all`), reduces the pending sum
   once.
 * *zero_grad*, *freeze / unfreeze* (``requires_grad``), *optimizer step*, ``clip_grad_norm_``: act on the
-  views as on one process's tensors. A parameter frozen at a forward is not reached by its backward (a
-  compiled call notes only what requires grad then); one frozen after its forward still gets that
-  backward's gradient, as in one process.
+  views as on one process's tensors; a frozen parameter is never attached.
 """
 
 from __future__ import annotations
@@ -340,24 +336,21 @@ class DBuffer:
         shard ``grad``; the others keep theirs ([Note: the gradient state of a parameter])."""
         self._grad_ref = weakref.ref(grad)
         flat_buffers.register(grad, self.slots)  # [Note: one kernel per bucket]
-        for name in self.reached:  # reached: required grad when its forward ran, whatever it requires now
+        for name in self.reached:
             p = self.params[name]
-            if not _is_view_of(p.grad, grad):
+            if p.requires_grad and not _is_view_of(p.grad, grad):
                 p.grad = self.wrap(name, self.local_piece(name, grad))
         self.reached.clear()
         self.mark_pending_views()  # what was just added or attached is fsdp_pass's own write
 
     @torch.no_grad()
-    def only_reached(self, grad: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        """``grad`` (a reduced gradient shard about to be added into the live one) with the pieces of parameters
-        no backward reached (:attr:`reached`, agreed) zeroed (on a copy with ``copy``): a graph computes every
-        piece of a trainable bucket, a frozen parameter's too, and a parameter not reached keeps its ``.grad``
-        as it is ([Note: the gradient state of a parameter])."""
-        unreached = [name for name in self.names if name not in self.reached]
-        if unreached and copy:
-            grad = grad.clone()
-        for name in unreached:
-            self.local_piece(name, grad).zero_()
+    def without_frozen(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (a gradient shard about to be added into the live one) with the pieces of frozen parameters
+        zeroed: a graph over a trainable bucket computes every piece, and a frozen parameter that still holds
+        a ``.grad`` keeps it as it is ([Note: the gradient state of a parameter])."""
+        for name, p in self.params.items():
+            if not p.requires_grad:
+                self.local_piece(name, grad).zero_()
         return grad
 
     def note_reached(self, names: Iterable[str]) -> None:
@@ -440,7 +433,7 @@ class DBuffer:
     def _hold_pending_views(self) -> None:
         """The parameters this backward reached have their gradient in the pending sum: give them (zero)
         views now, so that a ``zero_grad`` before the flush is seen ([Note: the gradient state of a parameter])."""
-        self.pending_names |= self.reached
+        self.pending_names |= {name for name in self.reached if self.params[name].requires_grad}
         self.attach_grads(self.gradient_buffer(create=True))
 
     def mark_pending_views(self) -> None:
@@ -489,20 +482,18 @@ class DBuffer:
         """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
         none) and attach it, as :meth:`attach_reduced` does."""
         def added() -> torch.Tensor:
-            reduced = self.only_reached(reduce())
+            reduced = self.without_frozen(reduce())
             shard_grad = self.gradient_buffer()
             return reduced if shard_grad is None else shard_grad.add_(reduced)
 
         self.attach_reduced(added)
 
-    def attach_reduced(self, reduce: Callable[[], torch.Tensor], agreed: bool = False) -> None:
+    def attach_reduced(self, reduce: Callable[[], torch.Tensor]) -> None:
         """Attach the gradient shard ``reduce()`` returns, the reduction over every data-parallel rank of what
         was reached: first :attr:`reached` is agreed over those ranks (before ``reduce`` issues its
         collective), then the parameters reached on any rank get views ([Note: the gradient state of a
-        parameter]); ``agreed``: it was agreed already. Inside a backward, the caller also calls
-        :func:`queue_flush_all`."""
-        if not agreed:
-            self.agree_reached()
+        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`."""
+        self.agree_reached()
         self.attach_grads(reduce())
 
     @property

@@ -213,10 +213,8 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
         if not prefetched:
             step_prefetch.discard(buffers)
         # [Note: the gradient state of a parameter]: backward tells each bucket what this graph read
-        # (what requires grad now: a parameter frozen at this forward gets no gradient from its backward)
-        reached = [tuple(n for n in names if buf.params[n].requires_grad) for buf, names in zip(buffers, reads)]
-        shards = [note_reached(shard, buf, names) for shard, buf, names in zip(shards, buffers, reached)]
-        leaves = [note_reached(leaf, buffers[i], reached[i]) for leaf, i in zip(leaves, sorted(unreduced))]
+        shards = [note_reached(shard, buf, names) for shard, buf, names in zip(shards, buffers, reads)]
+        leaves = [note_reached(leaf, buffers[i], reads[i]) for leaf, i in zip(leaves, sorted(unreduced))]
         return variants[VariantKey(unreduced, prefetched)](*shards, *leaves, *rest_args)
 
     def _take_prefetched(buffers: list[DBuffer]) -> bool:

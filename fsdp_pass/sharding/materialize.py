@@ -186,15 +186,14 @@ def _install_whole_random_fills() -> None:
 
 
 def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor | None) -> torch.Tensor | None:
-    """Before autograd accumulates into the shard: agree what this backward reached, give the shard back the
-    parameters' live gradient buffer, and keep the pieces of ``incoming`` no rank reached out of it. An undefined ``incoming`` (a graph that
+    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer, and
+    keep the frozen parameters' pieces of ``incoming`` out of it. An undefined ``incoming`` (a graph that
     hands this bucket's gradient to a pending leaf instead) adds nothing."""
     buf = ref()
     if buf is not None and incoming is not None:
-        buf.agree_reached()  # before the add: the pieces of parameters no rank reached stay out of it
         buf.shard.grad = buf.gradient_buffer()
-        if buf.shard.grad is not None:
-            return buf.only_reached(incoming, copy=True)
+        if buf.shard.grad is not None and len(buf.trainable_names) < len(buf.params):
+            return buf.without_frozen(incoming.clone())  # added into parameters' views, frozen ones' too
 
 
 def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
@@ -202,7 +201,7 @@ def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
     buf = ref()
     if buf is not None and shard.grad is not None:
         grad, shard.grad = shard.grad, None
-        buf.attach_reduced(lambda: grad, agreed=True)  # agreed by _resume_gradient
+        buf.attach_reduced(lambda: grad)
         queue_flush_all()  # what earlier micro-batches accumulated without sync
 
 
