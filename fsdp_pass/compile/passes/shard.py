@@ -17,11 +17,11 @@ from typing import Sequence
 import torch.nn as nn
 
 from ...options import Options
-from ...buckets.dbuffer import DBuffer, buffers_of_parameters, is_unsharded
+from ...buckets.dbuffer import DBuffer, is_unsharded
 from ...tensor.ragged_tensor import bucket_of
 from ...buckets.mesh import check_mesh_is_current
 from .detect import ParamSite, graph_block_rows
-from .unread import compiled_roots, shard_unread_parameters, shard_with_options
+from .unread import shard_unread_parameters, shard_with_options
 
 __all__ = ["Sharded", "shard_sites"]
 
@@ -44,19 +44,14 @@ def shard_sites(sites: Sequence[ParamSite], opts: Options) -> Sharded:
         )
     named = [(s.name, s.param) for s in sites]
     new = shard_with_options(named, opts, {s.name: graph_block_rows(s) for s in sites})  # [Note: FP8 all-gather]
-    roots = compiled_roots(_traced_modules(sites))
-    new += shard_unread_parameters(roots, opts)  # [Note: parameters no graph reads]
+    new += shard_unread_parameters(_traced_modules(sites), opts)  # [Note: parameters no graph reads]
     buckets = {s.name: bucket_of(s.param) for s in sites}
     for buf, _ in buckets.values():
         check_mesh_is_current(buf)  # [Note: wrappers around a sharded model]
     for s in sites:
         _check_trainable_bucket(s.name, s.param)
     if opts.gradient_divide_factor is not None:
-        # every bucket of the compiled modules divides so, the ones whose parameters only eager code reads too
-        # (fully_shard made them; the eager path divides by the bucket's factor)
-        targets = {id(buf): buf for buf, _ in buckets.values()}
-        targets.update((id(buf), buf) for buf in buffers_of_parameters(p for root in roots for p in root.parameters()))
-        for buf in targets.values():
+        for buf, _ in buckets.values():
             buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return Sharded(buckets, new)
 

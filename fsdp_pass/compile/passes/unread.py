@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 
-from ...buckets.dbuffer import DBuffer, is_unsharded
+from ...buckets.dbuffer import DBuffer, buffers_of_parameters, is_unsharded
 from ...interop.module_apply import keep_shards_on_apply
 from ...options import Options
 from ...sharding.blocks import block_size
@@ -48,7 +48,7 @@ from ...sharding.materialize import shard_with_blocks
 from ...sharding.mesh_roles import model_mesh_dims, resolve_mesh
 from ...tensor.ragged_tensor import is_sharded
 
-__all__ = ["compiled_module", "compiled_roots", "shard_unread_parameters", "shard_with_options"]
+__all__ = ["compiled_module", "shard_unread_parameters", "shard_with_options"]
 
 _MODULE_CALLS = frozenset({nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__})
 
@@ -81,14 +81,11 @@ def shard_with_options(named: Sequence[tuple[str, nn.Parameter]], opts: Options,
     return shard_with_blocks(named, mesh, config, blocks, fp8)
 
 
-def compiled_roots(traced: Sequence[nn.Module]) -> list[nn.Module]:
-    """The compiled module and the ``traced`` roots, once each ([Note: parameters no graph reads])."""
-    return list(dict.fromkeys([m for m in (compiled_module(), *traced) if m is not None]))
-
-
-def shard_unread_parameters(roots: Sequence[nn.Module], opts: Options) -> list[DBuffer]:
-    """Shard the parameters of the compiled ``roots`` (:func:`compiled_roots`) that are not sharded yet
-    ([Note: parameters no graph reads]); returns the new DBuffers."""
+def shard_unread_parameters(traced: Sequence[nn.Module], opts: Options) -> list[DBuffer]:
+    """Shard the parameters of the compiled module and of the ``traced`` roots that are not sharded yet
+    ([Note: parameters no graph reads]), and give every bucket of theirs the compile's gradient divide
+    factor (also buckets ``fully_shard`` made whose parameters only eager code reads); returns the new DBuffers."""
+    roots = list(dict.fromkeys([m for m in (compiled_module(), *traced) if m is not None]))
     seen: set[int] = set()
     rest: list[tuple[str, nn.Parameter]] = []
     for root in roots:
@@ -98,9 +95,10 @@ def shard_unread_parameters(roots: Sequence[nn.Module], opts: Options) -> list[D
                 rest.append((name, p))
     for root in roots:
         keep_shards_on_apply(root)  # [Note: Module._apply on sharded parameters]
-    if not rest:
-        return []
-    new = shard_with_options(rest, opts)
+    new = shard_with_options(rest, opts) if rest else []
     for buf in new:  # no graph sets it: eager calls compute in the graphs' dtype
         buf.apply_settings(compute_dtype=opts.param_dtype)
+    if opts.gradient_divide_factor is not None:  # the eager path divides by the bucket's factor
+        for buf in buffers_of_parameters(p for root in roots for p in root.parameters()):
+            buf.apply_settings(gradient_divide_factor=float(opts.gradient_divide_factor))
     return new
