@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, NoReturn
 
 import torch
 
-__all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_mp_dtype", "inductor_settings", "mp_policy_casts",
-           "mp_policy_dtypes"]
+__all__ = ["Fp8Options", "Options", "QuantizedReduce", "check_cudagraphs_off", "check_mp_dtype", "inductor_settings",
+           "mp_policy_casts", "mp_policy_dtypes", "refuse_cudagraphs"]
 
 
 def _switch_or_mapping(value: Any, parsed: type, refusal: str) -> Any:
@@ -299,9 +300,15 @@ class Options:
 # kernels without running Python: the ``fsdp_pass::take_gathered`` op's hand-over (a gather the
 # optimizer step issued, buckets/gather.py), a reduce-scatter left in flight for the optimizer step
 # (step/deferred_reduce.py), and the per-call choice between a graph's variants (compile/backend.py)
-# would all be frozen at the capture. So modes and settings that turn CUDA graphs on are refused, with
-# the same mode less its CUDA graphs as the fix; every other Inductor setting passes through.
+# would all be frozen at the capture. So whatever turns CUDA graphs on is refused, with the same message:
+# ``mode=`` or ``triton.cudagraphs`` in ``options`` when the options are read (``inductor_settings``), and,
+# when a graph is about to go to Inductor (``check_cudagraphs_off``), Inductor's live config
+# (``torch._inductor.config.triton.cudagraphs`` set by the user, inside a ``config.patch``, or from
+# ``TORCHINDUCTOR_CUDAGRAPHS=1``, which torch reads into that config when it imports it) and Dynamo's
+# ``torch._dynamo.override_cudagraphs(fwd=True)`` annotation of the graph. The fix named is the same mode
+# less its CUDA graphs; every other Inductor setting passes through.
 _CUDAGRAPHS = "triton.cudagraphs"
+_CUDAGRAPHS_ENV = "TORCHINDUCTOR_CUDAGRAPHS"
 
 
 def inductor_settings(mode: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -323,14 +330,43 @@ def inductor_settings(mode: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"Inductor option {key!r} takes a {type(known[name]).__name__}, got {value!r}")
         patches[name] = value
     if patches.get(_CUDAGRAPHS):
-        source = f"options[{_CUDAGRAPHS!r}]" if settings.get(_CUDAGRAPHS) else f"mode={mode!r}"
-        raise ValueError(
-            f"{source} turns on Inductor's CUDA graphs, which fsdp_pass does not support: they would capture the "
-            f"all-gathers and reduce-scatters, and a replay skips the Python side of fsdp_pass's collectives "
-            f"(prefetched and in-flight buckets); use mode='max-autotune-no-cudagraphs' (max-autotune without CUDA "
-            f"graphs) or the default mode, and leave triton.cudagraphs off"
-        )
+        refuse_cudagraphs(f"options[{_CUDAGRAPHS!r}]" if settings.get(_CUDAGRAPHS) else f"mode={mode!r}")
     return patches
+
+
+def refuse_cudagraphs(source: str) -> NoReturn:
+    """Raise the refusal of Inductor's CUDA graphs turned on by ``source`` ([Note: no CUDA graphs around the
+    collectives]); every door to them gets this one message."""
+    raise ValueError(
+        f"{source} turns on Inductor's CUDA graphs, which fsdp_pass does not support: they would capture the "
+        f"all-gathers and reduce-scatters, and a replay skips the Python side of fsdp_pass's collectives "
+        f"(prefetched and in-flight buckets); use mode='max-autotune-no-cudagraphs' (max-autotune without CUDA "
+        f"graphs) or the default mode, and leave triton.cudagraphs off"
+    )
+
+
+def check_cudagraphs_off(opts: "Options", graph_meta: Mapping[str, Any]) -> None:
+    """Refuse a compile for which Inductor would turn CUDA graphs on, read as Inductor reads it when it is
+    handed the graph: Dynamo's ``override_cudagraphs`` annotation of the graph (``graph_meta``, the graph
+    module's ``meta``) first, then ``opts.inductor`` (the ``config_patches`` the backend gives Inductor), then
+    Inductor's config as it is now (a global setting, a ``config.patch`` around the call, or
+    ``TORCHINDUCTOR_CUDAGRAPHS=1``, read into the config at its import). Nothing to check with aot_eager."""
+    if opts.compiler != "inductor":
+        return
+    from torch._inductor import config
+
+    annotated = getattr(graph_meta.get("cudagraph_annotation"), "fwd", None)  # torch._dynamo.override_cudagraphs
+    if annotated is not None:
+        if annotated:
+            refuse_cudagraphs("torch._dynamo.override_cudagraphs(fwd=True) around the compiled code")
+        return
+    if opts.inductor.get(_CUDAGRAPHS, config.triton.cudagraphs):
+        if _CUDAGRAPHS in opts.inductor:  # refused when the options were read; kept for an Options built by hand
+            refuse_cudagraphs(f"options[{_CUDAGRAPHS!r}]")
+        from_env = os.environ.get(_CUDAGRAPHS_ENV) == "1"
+        refuse_cudagraphs(f"torch._inductor.config.{_CUDAGRAPHS} = True"
+                          + (f" ({_CUDAGRAPHS_ENV}=1 in the environment, which sets it when torch imports the config, "
+                             f"or a setting of the config)" if from_env else " (set in the config or by a config.patch)"))
 
 
 def _unknown_key_message(key: Any, inductor_keys: Mapping[str, Any]) -> str:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -374,3 +378,100 @@ def test_modes_and_inductor_keys_are_checked_as_torch_compile_checks_them():
         Options.from_dict({"compiler": "aot_eager", "epilogue_fusion": False})
     with pytest.raises(ValueError, match="is not a torch.compile mode"):
         Options.from_dict(None, "fastest")
+
+
+_CUDA_GRAPHS_REFUSED = r"turns on Inductor's CUDA graphs, which fsdp_pass does not support.*max-autotune-no-cudagraphs"
+
+
+def _refusal_of_compile(model: nn.Module, call=None) -> str:
+    """The error the vescale backend (compiler Inductor) raises for ``model``'s first call (``call(compiled)``,
+    default: one batch), Dynamo's wrapper taken off; the model must be left unsharded."""
+    compiled = torch.compile(model, backend="vescale")
+    with pytest.raises(Exception) as info:
+        (call or (lambda c: c(torch.ones(4, 3))))(compiled)
+    cause = getattr(info.value, "inner_exception", info.value)  # Dynamo wraps backend errors
+    assert isinstance(cause, ValueError), f"{type(info.value).__name__}: {info.value}"
+    assert not any(isinstance(p, fsdp_pass.RaggedShardTensor) for p in model.parameters()), "refused after sharding"
+    return str(cause)
+
+
+def test_cuda_graphs_are_refused_whatever_turns_them_on(four_fake_ranks):
+    """Inductor's CUDA graphs turned on outside ``options`` (the global config, a ``config.patch`` around the
+    call, Dynamo's ``override_cudagraphs``) get the refusal ``mode="reduce-overhead"`` gets, at the compile and
+    before anything is sharded ([Note: no CUDA graphs around the collectives] in options.py)."""
+    from torch._inductor import config
+
+    with config.patch({"triton.cudagraphs": True}):  # set globally before the model is compiled
+        message = _refusal_of_compile(nn.Linear(3, 2))
+    assert re.search(r"^torch\._inductor\.config\.triton\.cudagraphs = True \(set in the config or by a config\.patch\) "
+                     + _CUDA_GRAPHS_REFUSED, message), message
+
+    def patched_call(compiled):
+        with config.patch({"triton.cudagraphs": True}):  # only around the call that compiles
+            compiled(torch.ones(4, 3))
+
+    torch._dynamo.reset()
+    assert re.search(r"config\.triton\.cudagraphs = True .*" + _CUDA_GRAPHS_REFUSED,
+                     _refusal_of_compile(nn.Linear(3, 2), patched_call))
+    assert not config.triton.cudagraphs
+
+    torch._dynamo.reset()
+    inner = nn.Linear(3, 2)
+
+    class Annotated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            with torch._dynamo.override_cudagraphs(fwd=True):
+                return self.inner(x)
+
+    assert re.search(r"override_cudagraphs\(fwd=True\) around the compiled code " + _CUDA_GRAPHS_REFUSED,
+                     _refusal_of_compile(Annotated()))
+    assert not isinstance(inner.weight, fsdp_pass.RaggedShardTensor)
+
+
+def test_cuda_graphs_check_reads_inductor_as_it_will_compile():
+    """What the compile-time check lets through: CUDA graphs on in the config but off for this compile
+    (``options["triton.cudagraphs"]=False``, ``override_cudagraphs(fwd=False)``, the aot_eager compiler); and
+    the check where each graph goes to Inductor, so a variant compiled after the config changed is refused."""
+    from torch._inductor import config
+    from torch._inductor import _CudagraphAnnotation
+
+    from fsdp_pass.compile.backend import CompiledGraph
+    from fsdp_pass.compile.passes.pipeline import compile_scheduled
+    from fsdp_pass.options import Options, check_cudagraphs_off
+
+    with config.patch({"triton.cudagraphs": True}):
+        check_cudagraphs_off(Options.from_dict({"triton.cudagraphs": False}), {})
+        check_cudagraphs_off(Options.from_dict({"compiler": "aot_eager"}), {})
+        check_cudagraphs_off(Options.from_dict(None), {"cudagraph_annotation": _CudagraphAnnotation(fwd=False, bwd=None)})
+        with pytest.raises(ValueError, match=r"config\.triton\.cudagraphs = True .*" + _CUDA_GRAPHS_REFUSED):
+            check_cudagraphs_off(Options.from_dict(None), {})
+        with pytest.raises(ValueError, match=r"config\.triton\.cudagraphs = True .*" + _CUDA_GRAPHS_REFUSED):
+            opts = Options.from_dict(None)
+            compile_scheduled(fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)], opts, CompiledGraph(opts))
+    check_cudagraphs_off(Options.from_dict(None), {})
+
+
+def test_cuda_graphs_from_the_environment_are_refused(tmp_path):
+    """``TORCHINDUCTOR_CUDAGRAPHS=1`` sets ``torch._inductor.config.triton.cudagraphs`` when torch imports the
+    config (torch/_inductor/config.py), so only a process started with it shows that the compile refuses it."""
+    code = """
+import torch, torch.nn as nn
+import fsdp_pass
+from fsdp_pass.testing.fake_pg import fake_process_group
+with fake_process_group(2):
+    try:
+        torch.compile(nn.Linear(3, 2), backend="vescale")(torch.ones(4, 3))
+    except Exception as error:
+        print(getattr(error, "inner_exception", error))
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CUDAGRAPHS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parent.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"config\.triton\.cudagraphs = True \(TORCHINDUCTOR_CUDAGRAPHS=1 in the environment.*"
+                     + _CUDA_GRAPHS_REFUSED, done.stdout), done.stdout + done.stderr[-3000:]

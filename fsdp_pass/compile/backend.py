@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch._dynamo import register_backend
 
 from .. import log
-from ..options import Options
+from ..options import Options, check_cudagraphs_off
 from .passes.outline import Outlined
 from .passes.pipeline import compile_scheduled, run_passes
 from .passes.reshard_within_groups import GraphReshard, reshard_setting
@@ -145,6 +145,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
     mode, with Inductor's meaning (torch.compile passes it alone, never with ``options``).
     """
     opts = Options.from_dict(options, mode)
+    check_cudagraphs_off(opts, gm.meta)  # before anything is sharded; compile_scheduled checks each compile again
     record = CompiledGraph(opts)
     record.graphs["dynamo"] = _readable(gm)
     reason = getattr(gm, "compile_subgraph_reason", None)  # Dynamo's GraphCompileReason

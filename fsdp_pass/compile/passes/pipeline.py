@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.tensor import DTensor
 
 from ... import log
-from ...options import Options
+from ...options import Options, check_cudagraphs_off
 from ...buckets.dbuffer import DBuffer
 from ...buckets.gather import GatherConfig
 from ...sharding.agreement import check_ranks_agree
@@ -117,6 +117,7 @@ def compile_scheduled(gm: fx.GraphModule, inputs: list, opts: Options, sink: Gra
             return backend(gm, inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+        check_cudagraphs_off(opts, gm.meta)  # Inductor's config now: a variant may compile long after the first
         # Our graph order is the communication schedule: keep Inductor's memory-driven reordering
         # from pulling waits up to their collectives (unless the user's Inductor settings say otherwise).
         patches = {**({"reorder_for_peak_memory": False} if opts.prefetch else {}), **opts.inductor}
