@@ -39,7 +39,7 @@ class GoldenGraphs(expecttest.TestCase):
             self.assertExpectedInline(code, """\
 def forward(self, bucket0_shard, bucket1_shard, L_x_ : torch.Tensor):
     l_x_ = L_x_
-    gather_bucket = fsdp_pass_buckets_gather_gather_bucket(bucket0_shard, param_dtype = torch.float32, reduce_dtype = torch.float32, shard_world = 2, shard_group = GROUP, replicate_world = 1, replicate_group = None, grad_divisor = 2);  bucket0_shard = None
+    gather_bucket = fsdp_pass_buckets_gather_gather_bucket(bucket0_shard, param_dtype = torch.float32, reduce_dtype = torch.float32, shard_world = 2, shard_group = GROUP, replicate_world = 1, replicate_group = None, grad_divisor = 2, levels = None);  bucket0_shard = None
     split_with_sizes_default = torch.ops.aten.split_with_sizes.default(gather_bucket, [60, 10, 2]);  gather_bucket = None
     getitem = split_with_sizes_default[0]
     view_default = torch.ops.aten.view.default(getitem, [10, 6]);  getitem = None
@@ -47,7 +47,7 @@ def forward(self, bucket0_shard, bucket1_shard, L_x_ : torch.Tensor):
     view_default_1 = torch.ops.aten.view.default(getitem_1, [10]);  getitem_1 = None
     linear = torch._C._nn.linear(l_x_, view_default, view_default_1);  l_x_ = view_default = view_default_1 = None
     relu = torch.relu(linear);  linear = None
-    gather_bucket_1 = fsdp_pass_buckets_gather_gather_bucket(bucket1_shard, param_dtype = torch.float32, reduce_dtype = torch.float32, shard_world = 2, shard_group = GROUP, replicate_world = 1, replicate_group = None, grad_divisor = 2);  bucket1_shard = None
+    gather_bucket_1 = fsdp_pass_buckets_gather_gather_bucket(bucket1_shard, param_dtype = torch.float32, reduce_dtype = torch.float32, shard_world = 2, shard_group = GROUP, replicate_world = 1, replicate_group = None, grad_divisor = 2, levels = None);  bucket1_shard = None
     split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(gather_bucket_1, [40]);  gather_bucket_1 = None
     getitem_2 = split_with_sizes_default_1[0];  split_with_sizes_default_1 = None
     view_default_2 = torch.ops.aten.view.default(getitem_2, [4, 10]);  getitem_2 = None

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import fsdp_pass
 from fsdp_pass.buckets.mesh import ShardingMesh
-from fsdp_pass.buckets.node_collectives import TwoLevelGroup, node_levels, two_level_group_name
+from fsdp_pass.buckets.node_collectives import (all_gather_in_two_levels, make_node_levels,
+                                                reduce_scatter_in_two_levels)
 from fsdp_pass.compile.backend import records
 from fsdp_pass.testing.collectives import quantized_exchanges_overlap
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -35,31 +36,22 @@ def _collectives(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    name = two_level_group_name(mesh, 0)
+    levels = make_node_levels(mesh, 0)
     flat = mesh.get_group(0).group_name
-    levels = node_levels(name)
-    assert isinstance(dist.distributed_c10d._resolve_process_group(name), TwoLevelGroup)
+    resolve = dist.distributed_c10d._resolve_process_group
     assert (levels.nodes, levels.per_node) == (2, 2)
-    assert dist.get_process_group_ranks(levels.within) == [rank // 2 * 2, rank // 2 * 2 + 1]
-    assert dist.get_process_group_ranks(levels.across) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(resolve(levels.within)) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(resolve(levels.across)) == [rank % 2, rank % 2 + 2]
 
     torch.manual_seed(rank)
     shard, grad = torch.randn(7), torch.randn(world * 7) * torch.logspace(-3, 3, world * 7)
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world, name))
+    gathered = all_gather_in_two_levels(shard, levels)
     assert torch.equal(gathered, _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world, flat)))
     every = [torch.empty(world * 7) for _ in range(world)]
     dist.all_gather(every, grad)
     exact = torch.stack(every).double().sum(0)[rank * 7:(rank + 1) * 7]
-    reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, name))
+    reduced = reduce_scatter_in_two_levels(grad, levels)
     assert torch.allclose(reduced.double(), exact, rtol=1e-6, atol=1e-6)
-    # the Work API (the next step's gather issued at the optimizer step) and a collective it passes through
-    received = torch.empty(world * 7)
-    dist.all_gather_into_tensor(received, shard, group=dist.distributed_c10d._resolve_process_group(name),
-                                async_op=True).wait()
-    assert torch.equal(received, gathered)
-    ones = torch.ones(3)
-    dist.all_reduce(ones, group=dist.distributed_c10d._resolve_process_group(name))
-    assert ones.tolist() == [4.0] * 3
 
 
 def _layouts(rank: int, world: int) -> None:
@@ -68,10 +60,10 @@ def _layouts(rank: int, world: int) -> None:
 
     for nodes in ([0, 1, 0, 1], [0, 0, 0, 0], [0, 1, 2, 3]):
         _as_nodes(nodes, rank)
-        assert two_level_group_name(init_device_mesh("cpu", (world,)), 0) is None, nodes
+        assert make_node_levels(init_device_mesh("cpu", (world,)), 0) is None, nodes
     _as_nodes([0, 0, 1, 1], rank)
-    assert two_level_group_name(init_device_mesh("cpu", (2, 2)), 1) is None  # shard dim inside a node
-    assert two_level_group_name(init_device_mesh("cpu", (2, 2)), 0) is None  # one rank per node
+    assert make_node_levels(init_device_mesh("cpu", (2, 2)), 1) is None  # shard dim inside a node
+    assert make_node_levels(init_device_mesh("cpu", (2, 2)), 0) is None  # one rank per node
 
 
 def _llama_case(name: str, options: dict, tolerance: float) -> Case:
@@ -93,13 +85,13 @@ def _training(rank: int, world: int) -> None:
 
     _as_nodes([0, 0, 1, 1], rank)
     mesh = init_device_mesh("cpu", (world,))
-    flat = mesh.get_group(0).group_name
     for case in (_llama_case("two levels", {}, 1e-5),
                  _llama_case("two levels, backward gathers within the node", {"reshard_after_forward": 2}, 1e-5),
                  _llama_case("two levels, last reduce at the optimizer step", {"overlap_last_reduce": True}, 1e-5)):
         run_case(case, rank, world, mesh)
-        groups = _gather_groups()
-        assert flat not in groups and any(node_levels(g) for g in groups), (case.name, groups)
+        levels, groups = ShardingMesh(mesh, 0).node_levels(), _gather_groups()
+        assert {levels.across, levels.within} <= groups and mesh.get_group(0).group_name not in groups, (case.name,
+                                                                                                       groups)
 
     # quantized: only the node sums cross, int8; error within the bound of the one-step form
     result = run_case(_llama_case("two levels, quantized", {"quantized_reduce": {"block": 32}}, 0.05), rank, world,
@@ -129,30 +121,27 @@ def test_two_level_collectives_on_two_nodes_of_two():
 
 
 def _stages(rank: int, world: int) -> tuple:
-    """Two pipeline stages of 4 ranks on 4 nodes of 2; each stage makes its groups (two-level, and
-    reshard_after_forward=2's) alone, the second after work of its own (a group the first never makes): no
-    call is needed from the other stage."""
+    """Two pipeline stages of 4 ranks on 4 nodes of 2, each sharding over its sub-mesh: every rank of the
+    world makes every stage's groups (two-level, and reshard_after_forward=2's) in one order ([Note: every
+    rank makes every group]), the second stage after work of its own in its stage."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _as_nodes([0, 0, 1, 1, 2, 2, 3, 3], rank)
     shard_mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))["dp"]
-    stage = rank // 4
-    if stage == 1:
-        dist.new_group([4, 5, 6, 7], use_local_synchronization=True)
+    if rank // 4 == 1:
         dist.all_reduce(torch.ones(1), group=shard_mesh.get_group(0))
-    name = two_level_group_name(shard_mesh, 0)
-    shard = torch.full((3,), float(rank))
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, 4, name))
-    levels = node_levels(name)
-    # reshard_after_forward=2's groups of the node's ranks are made by the stage alone too
-    reshard = ShardingMesh(shard_mesh, 0).node_group(2)
-    return (gathered[::3].tolist(), dist.get_process_group_ranks(levels.across),
-            dist.get_process_group_ranks(levels.within),
-            dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(reshard.group_name)))
+    sharding = ShardingMesh(shard_mesh, 0)
+    levels = sharding.node_levels()
+    gathered = all_gather_in_two_levels(torch.full((3,), float(rank)), levels)
+    reshard = sharding.node_group(2)
+    resolve = dist.distributed_c10d._resolve_process_group
+    return (gathered[::3].tolist(), dist.get_process_group_ranks(resolve(levels.across)),
+            dist.get_process_group_ranks(resolve(levels.within)),
+            dist.get_process_group_ranks(resolve(reshard.group_name)))
 
 
 @pytest.mark.timeout(120)
-def test_pipeline_stages_make_their_node_groups_alone():
+def test_pipeline_stages_make_each_others_node_groups():
     results = run_distributed(_stages, 8, timeout=90)
     for rank, (gathered, across, within, reshard) in enumerate(results):
         first = rank // 4 * 4

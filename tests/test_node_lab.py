@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_pass.buckets.node_collectives import two_level_group_name
+from fsdp_pass.buckets.node_collectives import (all_gather_in_two_levels, make_node_levels,
+                                                reduce_scatter_in_two_levels)
 from fsdp_pass.testing import node_lab
 from fsdp_pass.testing.node_lab import NodeLab, unavailable
 from fsdp_pass.testing.spawn import run_distributed
@@ -46,15 +47,13 @@ def _send_times(rank: int, world: int, lab: NodeLab) -> dict:
         dist.barrier()
         times[where] = time.perf_counter() - start
     # a bucket's group in two levels ([Note: collectives in two levels across nodes]): the nodes torchrun reports
-    two = dist.distributed_c10d._resolve_process_group(two_level_group_name(init_device_mesh("cpu", (world,)), 0))
+    levels = make_node_levels(init_device_mesh("cpu", (world,)), 0)
     collectives = {
         "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(PIECE * world), torch.ones(PIECE)),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(PIECE), torch.ones(PIECE * world)),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty(PIECE * world), torch.ones(PIECE * world)),
-        "two_level_all_gather": lambda: dist.all_gather_into_tensor(torch.empty(PIECE * world), torch.ones(PIECE),
-                                                                    group=two),
-        "two_level_reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(PIECE), torch.ones(PIECE * world),
-                                                                       group=two),
+        "two_level_all_gather": lambda: all_gather_in_two_levels(torch.ones(PIECE), levels),
+        "two_level_reduce_scatter": lambda: reduce_scatter_in_two_levels(torch.ones(PIECE * world), levels),
     }
     sent = {}
     for name, collective in collectives.items():

@@ -147,7 +147,6 @@ def _train_on_two_nodes(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_pass.buckets.dbuffer import buffers_of
-    from fsdp_pass.buckets.node_collectives import node_levels
 
     os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank // 2), "2"
     mesh = init_device_mesh("cpu", (world,))
@@ -155,7 +154,7 @@ def _train_on_two_nodes(rank: int, world: int) -> None:
         case = dataclasses.replace(case, name=case.name.split("/")[0] + "/aot_eager",
                                    options={**case.options, "compiler": "aot_eager"})
         result = run_case(case, rank, world, mesh)
-        assert all(node_levels(b.mesh.bucket_group_name()) for b in buffers_of(result["model"])), case.name
+        assert all(b.mesh.node_levels() for b in buffers_of(result["model"])), case.name
         worst_checkpoint = _check_checkpoint(case, result["model"], result["reference"])
         if rank == 0:
             print(f"{case.name} on 2 nodes of 2: loss {result['loss_rel']:.1e}, parameters {result['param_rel']:.1e}, "

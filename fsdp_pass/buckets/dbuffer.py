@@ -182,8 +182,7 @@ class DBuffer:
         # The shard is a leaf: autograd accumulates the reduce-scattered gradient into shard.grad,
         # and parameters' .grad are views of it.
         self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device, requires_grad=requires_grad)
-        if mesh.shard_size > 1:  # its process groups are made now, while the mesh's ranks make their buckets alike
-            mesh.bucket_group_name()
+        mesh.node_levels()  # its process groups are made now, while the world's ranks make their buckets alike
         self.params: dict[str, nn.Parameter] = {}
         self._placements: dict[str, RaggedShard] = {}
         self._segment_index: dict[str, int] | None = None  # parameter name → segment position (segment_index)
@@ -541,12 +540,13 @@ class DBuffer:
         ``quantized_reduce``: the compiled reduce-scatter, where there is one, [Note: block-quantized
         gradient reduction])."""
         m = self.mesh
-        shard_group = m.bucket_group_name() if m.shard_size > 1 else None
+        shard_group = m.group_name(m.shard_dim) if m.shard_size > 1 else None
         rep = m.replicate_dim
         rep_group = m.group_name(rep) if rep is not None and m.replicate_size > 1 else None
         return GatherConfig(param_dtype, reduce_dtype, m.shard_size, shard_group, m.replicate_size, rep_group,
                             self.grad_divisor, self.fp8_gather() if fp8 and self.fp8_tile else None,
-                            quantized_reduce if m.shard_size > 1 and self.shard.requires_grad else None)
+                            quantized_reduce if m.shard_size > 1 and self.shard.requires_grad else None,
+                            m.node_levels())
 
     def fp8_gather(self) -> Fp8Gather:
         """Every rank's pieces of this FP8 bucket ([Note: FP8 all-gather]): whole panels of ``fp8_tile`` rows."""

@@ -36,6 +36,7 @@ import torch
 
 from ..options import QuantizedReduce
 from ..quant.fp8 import FP8, fp8_block_quantize
+from .node_collectives import NodeLevels, all_gather_in_two_levels, reduce_scatter_in_two_levels
 from .quantized_reduce import quantized_reduce_scatter
 
 __all__ = ["Fp8Gather", "GatherConfig", "gather_bucket", "gather_input", "hand_over", "reduce_gradient",
@@ -134,6 +135,14 @@ class GatherConfig(NamedTuple):
     fp8: Fp8Gather | None = None  # gather as FP8 codes + scales ([Note: FP8 all-gather]); None: param_dtype
     # reduce-scatter as int8 codes + block scales ([Note: block-quantized gradient reduction]); None: reduce_dtype
     quantized_reduce: QuantizedReduce | None = None
+    # the shard group spans nodes: all-gather across then within them, reduce-scatter within then across
+    # ([Note: collectives in two levels across nodes]); None: one step on shard_group
+    levels: NodeLevels | None = None
+
+    @property
+    def gather_group(self) -> str | None:
+        """The group of the bucket's (first) all-gather: the across-node step's, or the shard group's."""
+        return self.levels.across if self.levels is not None else self.shard_group
 
 
 def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +151,10 @@ def reduce_gradient(grad: torch.Tensor, config: GatherConfig, master_dtype: torc
     HSDP replicate dim, / data-parallel degree."""
     g = grad.to(config.reduce_dtype)
     if config.shard_world > 1 and config.quantized_reduce is not None:
-        g = quantized_reduce_scatter(g, config.shard_world, config.shard_group, config.quantized_reduce)
+        g = quantized_reduce_scatter(g, config.shard_world, config.shard_group, config.quantized_reduce,
+                                     config.levels)
+    elif config.levels is not None:
+        g = reduce_scatter_in_two_levels(g.contiguous(), config.levels)
     elif config.shard_world > 1:
         g = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", config.shard_world,
                                                           config.shard_group))
@@ -158,6 +170,8 @@ def _all_gather(shard: torch.Tensor, config: GatherConfig) -> torch.Tensor:
     x = gather_input(shard, config)
     if config.shard_world == 1:
         gathered = x.clone() if x is shard else x
+    elif config.levels is not None:
+        gathered = all_gather_in_two_levels(x, config.levels)
     else:
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, config.shard_world, config.shard_group))
     return unpack_gathered(gathered, shard.numel(), config)
@@ -243,6 +257,7 @@ def gather_bucket(
     grad_divisor: float,
     fp8: Fp8Gather | None = None,
     quantized_reduce: QuantizedReduce | None = None,
+    levels: NodeLevels | None = None,
     pending: torch.Tensor | None = None,
     gathered: int | None = None,
 ) -> torch.Tensor:
@@ -257,8 +272,9 @@ def gather_bucket(
     nothing and takes the buffer :func:`hand_over` left for that slot.
     With ``fp8`` the forward moves FP8 codes and scales instead ([Note: FP8 all-gather]); with
     ``quantized_reduce`` the backward's reduce-scatter moves int8 codes and block scales ([Note:
-    block-quantized gradient reduction]).
+    block-quantized gradient reduction]); with ``levels`` both run in two steps, across and within the
+    nodes ([Note: collectives in two levels across nodes]).
     """
     config = GatherConfig(param_dtype, reduce_dtype, shard_world, shard_group, replicate_world, replicate_group,
-                          grad_divisor, fp8, quantized_reduce)
+                          grad_divisor, fp8, quantized_reduce, levels)
     return _GatherBucket.apply(shard, pending, gathered, config)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .launcher_nodes import check_groups_within_nodes, new_local_group
-from .node_collectives import two_level_group_name
+from .launcher_nodes import check_groups_within_nodes, groups_made_everywhere, world_rows
+from .node_collectives import NodeLevels, make_node_levels
 
 __all__ = ["NodeGroup", "ShardingMesh", "check_mesh_is_current", "check_reshard_group_size"]
 
@@ -88,15 +88,19 @@ class ShardingMesh:
     def group_name(self, dim: int) -> str:
         return self.mesh.get_group(dim).group_name
 
-    def bucket_group_name(self) -> str:
-        """The process group a bucket's all-gather and reduce-scatter run on: the shard dim's, or, when
-        the launcher reports that it spans nodes, its two-level group ([Note: collectives in two levels
-        across nodes] in buckets/node_collectives.py). Made on first use, by the shard group's ranks alike (a
-        bucket asks when it is made, and the ranks sharding over a mesh make its buckets in one order)."""
+    def node_levels(self) -> NodeLevels | None:
+        """The two levels a bucket's all-gather and reduce-scatter run in when the launcher reports that its
+        shard group spans nodes ([Note: collectives in two levels across nodes] in
+        buckets/node_collectives.py); None when they run in one step on the shard dim's group. Made on first
+        use, once per (mesh, shard dim), by every rank of the world alike ([Note: every rank makes every
+        group] in buckets/launcher_nodes.py: a bucket asks when it is made, and the ranks make their buckets
+        in one order)."""
+        if self.shard_size == 1:
+            return None
         key = (self.mesh, self.shard_dim)
-        if key not in _bucket_groups:
-            _bucket_groups[key] = two_level_group_name(self.mesh, self.shard_dim) or self.group_name(self.shard_dim)
-        return _bucket_groups[key]
+        if key not in _node_levels:
+            _node_levels[key] = make_node_levels(self.mesh, self.shard_dim)
+        return _node_levels[key]
 
     @property
     def device_type(self) -> str:
@@ -105,7 +109,8 @@ class ShardingMesh:
     def node_group(self, size: int) -> "NodeGroup":
         """This rank's group of ``size`` consecutive ranks of the shard dim ([Note: reshard within a
         node after forward] in compile/passes/reshard_within_groups.py). The process groups are made once
-        per (mesh, shard dim, size), by the shard group's ranks alike."""
+        per (mesh, shard dim, size), by every rank of the world alike ([Note: every rank makes every group]
+        in buckets/launcher_nodes.py)."""
         check_reshard_group_size(size, self.shard_size, "reshard_after_forward")
         key = (self.mesh, self.shard_dim, size)
         if key not in _node_groups:
@@ -123,8 +128,8 @@ class NodeGroup(NamedTuple):
 
 # (mesh, shard dim, group size) -> this rank's NodeGroup: process groups are made once and live for the run
 _node_groups: dict[tuple, NodeGroup] = {}
-# (mesh, shard dim) -> the name of the group buckets over it gather and reduce on (ShardingMesh.bucket_group_name)
-_bucket_groups: dict[tuple, str] = {}
+# (mesh, shard dim) -> this rank's two levels, or None (ShardingMesh.node_levels)
+_node_levels: dict[tuple, NodeLevels | None] = {}
 
 
 def check_reshard_group_size(size, shard_size: int, argument: str) -> None:
@@ -140,17 +145,15 @@ def check_reshard_group_size(size, shard_size: int, argument: str) -> None:
 
 
 def _make_node_groups(mesh: DeviceMesh, shard_dim: int, size: int) -> NodeGroup:
-    """This rank's shard-dim row of ``mesh`` cut into groups of ``size`` consecutive ranks; this rank's group.
-    Made by the row's ranks alone (group-local synchronization): a pipeline stage's sub-mesh needs no call
-    from the other stages."""
+    """Every shard-dim row of ``mesh`` in the world cut into groups of ``size`` consecutive ranks; this
+    rank's group. Collective over the world ([Note: every rank makes every group] in buckets/launcher_nodes.py)."""
     shard_group = mesh.get_group(shard_dim)
-    row = dist.get_process_group_ranks(shard_group)
-    groups = [row[start:start + size] for start in range(0, len(row), size)]
+    world = world_rows(shard_group)
+    groups = [list(row[start:start + size]) for row in world.rows for start in range(0, len(row), size)]
     # [Note: node-local groups follow the launcher's nodes]
-    check_groups_within_nodes(groups, "reshard_after_forward", shard_group)
-    me = dist.get_rank()
-    mine = next(ranks for ranks in groups if me in ranks)
-    return NodeGroup(size, mine.index(me), new_local_group(mine, shard_group, mesh.device_type).group_name)
+    check_groups_within_nodes(groups, "reshard_after_forward", world)
+    mine = groups_made_everywhere(groups, shard_group, mesh.device_type)
+    return NodeGroup(size, dist.get_process_group_ranks(mine).index(dist.get_rank()), mine.group_name)
 
 
 def check_mesh_is_current(buf) -> None:

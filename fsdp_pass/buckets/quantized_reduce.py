@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..options import QuantizedReduce
-from .node_collectives import node_levels, within_node_sums
+from .node_collectives import NodeLevels, within_node_sums
 
 __all__ = ["ROUNDING_STREAM", "RoundingStream", "quantized_reduce_scatter", "sent_bytes"]
 
@@ -128,15 +128,15 @@ def _(rows, shard_size, block):
     return rows.new_empty(shard_size, dtype=torch.float32)
 
 
-def quantized_reduce_scatter(grad: torch.Tensor, world: int, group: str, quantized: QuantizedReduce) -> torch.Tensor:
+def quantized_reduce_scatter(grad: torch.Tensor, world: int, group: str, quantized: QuantizedReduce,
+                             levels: NodeLevels | None = None) -> torch.Tensor:
     """The sum over the ``world`` ranks of ``group`` of their ``grad`` (``world × S``), this rank's ``S``
     part, exchanged block-quantized ([Note: block-quantized gradient reduction]); in ``grad``'s dtype.
-    Over a group in two levels, the node's ranks first sum exactly and only the sums cross between
+    Over two levels (``levels``), the node's ranks first sum exactly and only the sums cross between
     nodes quantized ([Note: collectives in two levels across nodes] in buckets/node_collectives.py)."""
-    levels = node_levels(group)
     if levels is not None:
         grad = within_node_sums(grad, levels)
-        world, group = levels.nodes, levels.across.group_name
+        world, group = levels.nodes, levels.across
     shard_size = grad.numel() // world
     rows = quantize_for_reduce(grad.contiguous(), world, quantized.block, quantized.stochastic)
     row = rows.shape[1]

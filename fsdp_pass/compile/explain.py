@@ -9,7 +9,6 @@ import torch.nn as nn
 
 from .backend import records
 from ..buckets.dbuffer import DBuffer, buffers_of
-from ..buckets.node_collectives import node_levels
 from ..options import Options
 
 __all__ = ["Explanation", "explain"]
@@ -82,7 +81,7 @@ def _two_level_lines(buffers: list[DBuffer]) -> list[str]:
     across nodes] in buckets/node_collectives.py)."""
     spans: dict[tuple[int, int], list[int]] = {}
     for b in buffers:
-        levels = node_levels(b.mesh.bucket_group_name()) if b.mesh.shard_size > 1 else None
+        levels = b.mesh.node_levels()
         if levels is not None:
             spans.setdefault((levels.nodes, levels.per_node), []).append(b.index)
     return [f"collectives in two levels: buckets {indices} span {nodes} nodes of {per_node} ranks: all_gather "
@@ -105,7 +104,7 @@ def _quantized_reduce_lines(options: Options, buffers: list[DBuffer]) -> list[st
             why = "not quantized: sharded over one rank, no reduce-scatter"
         else:
             why = f"int8 codes + 1 float32 scale per {q.block} elements ({rounding}), one all_to_all"
-            if node_levels(b.mesh.bucket_group_name()) is not None:
+            if b.mesh.node_levels() is not None:
                 why += " across the nodes, of the node's exact sums"
             if b.mesh.replicate_size > 1:
                 why += f"; the all-reduce over {b.mesh.replicate_size} replicas stays exact"

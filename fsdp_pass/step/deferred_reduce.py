@@ -77,7 +77,7 @@ def reduce_deferred(buf: DBuffer) -> None:
     # a block-quantized reduction ([Note: block-quantized gradient reduction]) runs at once: its all-to-all
     # and dequantize-and-sum are not what in_flight.track settles
     if (buf.gradient_buffer() is None and config.shard_world > 1 and config.replicate_world == 1
-            and config.reduce_dtype == buf.dtype and config.quantized_reduce is None):
+            and config.reduce_dtype == buf.dtype and config.quantized_reduce is None and config.levels is None):
         buf.attach_reduced(lambda: start(grad, config))
     else:
         buf.add_reduced(lambda: reduce_gradient(grad, config, buf.dtype))

@@ -64,6 +64,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..tensor.in_flight import settle_before_collective
 from ..buckets.gather import GatherConfig, gather_input, unpack_gathered
+from ..buckets.node_collectives import finish_gather_within_node
 
 __all__ = ["Target", "discard", "enable", "in_flight", "note_first", "take"]
 
@@ -77,7 +78,7 @@ class _Prefetch(NamedTuple):
     version: int  # the shard's version counter when the gather was issued
     work: dist.Work  # the all-gather in flight ([Note: one collective in flight on gloo])
     sent: torch.Tensor  # its input (gather_input of the shard), held until the wait
-    received: torch.Tensor  # its output (m times the input), held until the wait
+    received: torch.Tensor  # its output (m times the input; N times in two levels), held until the wait
 
 
 class Target(NamedTuple):
@@ -133,8 +134,11 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         settle_before_collective(buf.shard.device)
         with torch.no_grad():
             sent = gather_input(buf.shard.detach(), config)
-        received = sent.new_empty(sent.numel() * config.shard_world)
-        work = dist.all_gather_into_tensor(received, sent, group=_resolve_process_group(config.shard_group),
+        # in two levels only the across-node step is in flight; the within-node step runs where it is taken
+        # ([Note: collectives in two levels across nodes])
+        world = config.levels.nodes if config.levels is not None else config.shard_world
+        received = sent.new_empty(sent.numel() * world)
+        work = dist.all_gather_into_tensor(received, sent, group=_resolve_process_group(config.gather_group),
                                            async_op=True)
         buf.prefetched = _Prefetch(config, buf.shard._version, work, sent, received)
         _holding.add(buf)
@@ -182,4 +186,10 @@ def take(targets: list[Target]) -> list[torch.Tensor] | None:
             entry.work.wait()
         if stale.item():
             return None
-        return [unpack_gathered(e.received, t.buffer.shard.numel(), t.config) for e, t in zip(entries, targets)]
+        return [unpack_gathered(_in_rank_order(e.received, t.config), t.buffer.shard.numel(), t.config)
+                for e, t in zip(entries, targets)]
+
+
+def _in_rank_order(received: torch.Tensor, config: GatherConfig) -> torch.Tensor:
+    """The issued gather's output as the whole bucket: as is, or after the within-node step."""
+    return received if config.levels is None else finish_gather_within_node(received, config.levels)

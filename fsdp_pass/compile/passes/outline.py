@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ...buckets.gather import fp8_unpack
-from .schedule import GATHER_CHAIN_OPS
+from .schedule import GATHER_VIEW_OPS
 
 __all__ = ["Outlined", "outline_repeated_blocks", "rematerialize_parameter_views", "shared_backward_subgraphs"]
 
@@ -240,7 +239,7 @@ def _call(graph: fx.Graph, region: _Region, ident: str, replaced: dict[fx.Node, 
 # Views that a subgraph's partition may save of a parameter operand (a transposed weight, or a
 # parameter of a bucket the subgraph takes whole): the gather chain's views, which are free to replay
 # outside the subgraph (not its wait or FP8 dequantization).
-_VIEWS = (GATHER_CHAIN_OPS - {torch.ops._c10d_functional.wait_tensor.default, fp8_unpack._opoverload}) | {operator.getitem}
+_VIEWS = GATHER_VIEW_OPS | {operator.getitem}
 
 
 def _view_chain(output: fx.Node) -> tuple[int, list[fx.Node]] | None:

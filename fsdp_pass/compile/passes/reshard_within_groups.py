@@ -67,13 +67,22 @@ def reshard_within_groups(gm: fx.GraphModule, group_of: Callable[[fx.Node], Node
 
 
 def _gathered_buffer(head: fx.Node) -> fx.Node:
-    """The chain node holding the whole gathered bucket in ``param_dtype``: the wait (or the FP8
-    unpack after it), or the taken buffer itself."""
+    """The chain node holding the whole gathered bucket in ``param_dtype``: the wait (or, in two levels,
+    the copy into rank order after the within-node step; or the FP8 unpack after either), or the taken
+    buffer itself."""
     if head.target is not _c10d.all_gather_into_tensor.default:
         return head
-    (wait,) = [u for u in head.users if u.target is _c10d.wait_tensor.default]
-    unpack = [u for u in wait.users if u.target is torch.ops.fsdp_pass.fp8_unpack.default]
-    return unpack[0] if unpack else wait
+    gathered = _only_user(head, _c10d.wait_tensor.default)
+    within = _only_user(gathered, _c10d.all_gather_into_tensor.default)
+    if within is not None:  # [Note: collectives in two levels across nodes]
+        gathered = _only_user(_only_user(within, _c10d.wait_tensor.default), torch.ops.fsdp_pass.in_rank_order.default)
+    return _only_user(gathered, torch.ops.fsdp_pass.fp8_unpack.default) or gathered
+
+
+def _only_user(node: fx.Node, target) -> fx.Node | None:
+    """The user of ``node`` calling ``target`` (at most one), or None."""
+    users = [u for u in node.users if u.target is target]
+    return users[0] if users else None
 
 
 def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
@@ -161,15 +170,15 @@ def reshard_setting(option: bool | int, buffers: Sequence[DBuffer]) -> GraphResh
 def node_groups(size: int, buffers: Sequence[DBuffer],
                 taken: Mapping[int, GatherConfig] | None) -> Callable[[fx.Node], NodeGroup | None]:
     """``group_of`` for :func:`reshard_within_groups`: each gather's node group of ``size`` ranks, found by
-    its shard group (or, for a buffer taken in place of a gather, its slot's). The process groups are made
-    here, before tracing, by each shard group's ranks alike."""
-    by_shard_group = {buf.mesh.bucket_group_name(): buf.mesh.node_group(size)
-                      for buf in buffers if buf.mesh.shard_size > 1}
+    the group of its (first) all-gather (or, for a buffer taken in place of a gather, its slot's). The
+    process groups are made here, before tracing, by every rank alike."""
+    by_gather_group = {buf.config(buf.dtype, buf.dtype).gather_group: buf.mesh.node_group(size)
+                       for buf in buffers if buf.mesh.shard_size > 1}
     slots = dict(taken or {})
 
     def group_of(head: fx.Node) -> NodeGroup | None:
         if head.target is _c10d.all_gather_into_tensor.default:
-            return by_shard_group.get(head.args[2])
-        return by_shard_group.get(slots[head.args[1]].shard_group)
+            return by_gather_group.get(head.args[2])
+        return by_gather_group.get(slots[head.args[1]].gather_group)
 
     return group_of

@@ -23,16 +23,16 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ...buckets.gather import GatherConfig, fp8_pack_shard, fp8_unpack, take_gathered
+from ...buckets.node_collectives import in_rank_order
 from ...buckets.quantized_reduce import quantize_for_reduce
 
-__all__ = ["GATHER_CHAIN_OPS", "gather_chains", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
+__all__ = ["GATHER_CHAIN_OPS", "GATHER_VIEW_OPS", "gather_chains", "gather_taken_again", "schedule_overlap", "tag_reshard_after_forward"]
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
-# Ops between an all_gather and the parameter views that compute reads: recomputing them is free.
-GATHER_CHAIN_OPS = {
-    _c10d.wait_tensor.default,
+# The views between a gathered bucket and the parameter views that compute reads.
+GATHER_VIEW_OPS = {
     _aten.split_with_sizes.default,
     _aten.view.default,
     _aten._unsafe_view.default,
@@ -45,7 +45,15 @@ GATHER_CHAIN_OPS = {
     _aten.slice.Tensor,
     _aten.unsqueeze.default,
     _aten.squeeze.dim,
+}
+# Ops between an all_gather and the parameter views that compute reads: recomputing them is cheap.
+GATHER_CHAIN_OPS = GATHER_VIEW_OPS | {
+    _c10d.wait_tensor.default,
     fp8_unpack._opoverload,  # [Note: FP8 all-gather]: dequantized after the gather, recomputed with it
+    # [Note: collectives in two levels across nodes]: the within-node step after the across-node gather
+    # (always reads that gather's wait), then the copy into rank order
+    _c10d.all_gather_into_tensor.default,
+    in_rank_order._opoverload,
 }
 # What turns a shard into the all-gather's input: a cast, or the FP8 quantize-and-pack ([Note: FP8 all-gather]).
 _CASTS = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default, fp8_pack_shard._opoverload}
@@ -72,10 +80,23 @@ def _is_getitem(node: fx.Node) -> bool:
 # its own) reshards it: keeping every block's bucket would hold the whole model gathered.
 
 
+def _is_within_node_step(node: fx.Node) -> bool:
+    """An all_gather of a gathered buffer: the second step of a two-level gather ([Note: collectives in two
+    levels across nodes]), part of its bucket's chain, not a head."""
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.target is _c10d.wait_tensor.default
+
+
+def _bucket_gathers(graph: fx.Graph) -> list[fx.Node]:
+    """Each bucket's (first) all_gather, in graph order."""
+    return [n for n in graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default)
+            if not _is_within_node_step(n)]
+
+
 def _gather_heads(gm: fx.GraphModule) -> list[fx.Node]:
     """The forward all_gathers and the buffers taken in place of one, in graph order."""
-    heads = {_c10d.all_gather_into_tensor.default, _TAKE_GATHERED}
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in heads]
+    heads = set(_bucket_gathers(gm.graph)) | set(gm.graph.find_nodes(op="call_function", target=_TAKE_GATHERED))
+    return [n for n in gm.graph.nodes if n in heads]
 
 
 def _chain(head: fx.Node) -> list[fx.Node]:
@@ -143,9 +164,15 @@ def gather_taken_again(gm: fx.GraphModule, configs: dict[int, GatherConfig]) -> 
                 source = _add(graph, fake_mode, torch.ops.prims.convert_element_type.default, shard, config.param_dtype)
             else:
                 source = shard
-            gathered = _add(graph, fake_mode, _c10d.all_gather_into_tensor.default, source, config.shard_world,
-                            config.shard_group)
+            levels = config.levels  # [Note: collectives in two levels across nodes]
+            gathered = _add(graph, fake_mode, _c10d.all_gather_into_tensor.default, source,
+                            *((levels.nodes, levels.across) if levels else (config.shard_world, config.shard_group)))
             gathered = _add(graph, fake_mode, _c10d.wait_tensor.default, gathered)
+            if levels is not None:
+                gathered = _add(graph, fake_mode, _c10d.all_gather_into_tensor.default, gathered, levels.per_node,
+                                levels.within)
+                gathered = _add(graph, fake_mode, _c10d.wait_tensor.default, gathered)
+                gathered = _add(graph, fake_mode, in_rank_order._opoverload, gathered, levels.nodes, levels.per_node)
             if config.fp8 is not None:
                 gathered = _add(graph, fake_mode, fp8_unpack._opoverload, gathered, config.shard_world,
                                 shard.meta["val"].numel(), fp8.tile, fp8.scale_slots, fp8.unpack_arguments(),
@@ -195,7 +222,7 @@ def _movable(node: fx.Node) -> list[fx.Node] | None:
 
 
 def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: int | None) -> None:
-    gathers = list(graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default))
+    gathers = _bucket_gathers(graph)
     # The first gathers have no earlier bucket to hide behind: issue them before any compute. In a
     # backward graph the first one (the output layer's weights, gathered again after resharding)
     # otherwise waits behind that layer's weight-gradient matmul, which does not read it.
@@ -219,13 +246,19 @@ def _prefetch_all_gathers(graph: fx.Graph, prefetch: int, max_inflight_bytes: in
 
 def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """Each bucket's gradient reduction as (its first collective, the one whose wait may sink), in graph
-    order: its reduce_scatter, twice; with ``quantized_reduce``, the all_to_all of the quantized rows
-    ([Note: block-quantized gradient reduction]) is the second, after the within-node reduce_scatter
-    that feeds it when the bucket reduces in two levels: the step that crosses between nodes is the
-    one to overlap."""
+    order: its reduce_scatter, twice; in two levels ([Note: collectives in two levels across nodes]) the
+    within-node reduce_scatter, then the across-node one it feeds; with ``quantized_reduce``, the
+    all_to_all of the quantized rows ([Note: block-quantized gradient reduction]) is the second, after
+    the within-node reduce_scatter that feeds it when the bucket reduces in two levels: the step that
+    crosses between nodes is the one to overlap."""
     scatters = list(graph.find_nodes(op="call_function", target=_c10d.reduce_scatter_tensor.default))
     scatter_of = {_wait_of(rs): rs for rs in scatters}  # each reduce_scatter by its wait
     first_of = {rs: rs for rs in scatters}
+    for rs in scatters:
+        within = scatter_of.get(_source(rs.args[0]))  # the within-node sums it reduces across the nodes
+        if within is not None:
+            first_of.pop(within, None)
+            first_of[rs] = within
     for a2a in graph.find_nodes(op="call_function", target=_c10d.all_to_all_single.default):
         quantized = _source(a2a.args[0])
         if quantized.target is not _QUANTIZE:
