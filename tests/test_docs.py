@@ -519,6 +519,266 @@ def test_torch_changes_lists_every_change_fsdp_pass_makes():
     assert not missing, "docs/torch_changes.md does not list:\n" + "\n".join(missing)
 
 
+# -- the private torch names the sources read, the torch registries they call ------------------------
+#
+# The rule (docs/torch_changes.md, "Torch internals relied on", says it in words). Each file of the package is
+# parsed; the names its imports bind to torch (``import torch``, ``import torch.distributed as dist``,
+# ``from torch._inductor import config``, function-local imports too) are its torch aliases, the names they
+# bind to any other top-level module (``sys``, ``os``, ``copyreg``, ``transformers``...) its foreign ones.
+#   1. A dotted name rooted at a torch alias, or a torch import, with a ``_``-prefixed component (dunders
+#      aside) is a private torch name. It is recorded as its longest prefix that is a module of the installed
+#      torch (a folder or a .py/.pyi file), the object read off that module, and every part up to its last
+#      ``_`` one: ``torch._dynamo.utils.counters``, ``torch.nn.Module._call_impl`` (``.__code__`` dropped),
+#      ``torch.ops._c10d_functional`` (``.wait_tensor.default`` dropped).
+#   2. A ``_``-prefixed attribute read or written off any other object (``pg._get_backend``, ``x._orig_mod``),
+#      or spelled as a whole string (not a docstring, nor a piece of a concatenation or an f-string:
+#      ``getattr(m, "_orig_mod")``, ``co_name == "_save_state_dict"``), is a private torch name too, unless:
+#      the object is rooted at a foreign alias (``sys._getframe``); or the package defines the name itself
+#      (a def or class of that name, a module-level or class-level assignment, an attribute assigned on
+#      ``self``/``cls`` or on a def or class of the same file, a module-level string constant: the name of
+#      an attribute the package sets, ``_fsdp_pass``-prefixed names); or it is in ``NOT_TORCH`` (other
+#      libraries' private names the rule cannot tell from torch's). A name both the package and torch
+#      define is the package's by that rule; ``ALSO_TORCH`` names the files where such a name is torch's
+#      (read, or overridden by a def). ``UNDERSCORE_FREE`` names torch internals without a ``_`` (read off
+#      objects Dynamo hands over) that the package relies on.
+#   3. A dotted name rooted at a torch alias whose last part starts with ``register`` or is one of
+#      ``REGISTRY_WRITERS`` writes a torch registry: recorded whole (``torch.library.custom_op``).
+# Each recorded name must be on a row of the section's tables with each file (its path under fsdp_pass/)
+# that uses it, and each row ends with the torch releases it was checked on, within pyproject's range.
+
+NOT_TORCH = {  # private names of Python and of other libraries, read off objects the rule cannot trace
+    "_asdict": "a NamedTuple's own method (Python's collections)",
+    "_fields": "a NamedTuple's field names (Python's collections)",
+    "_initialize_weights": "transformers' PreTrainedModel method",
+    "_is_hf_initialized": "transformers' flag on an initialized module",
+    "_get_state_dict": "torchtitan's CheckpointManager method, read off the package's subclass",
+}
+ALSO_TORCH = {  # names the package defines (so rule 2 takes them as its own) that these files read off torch's objects
+    "_apply": {"interop/module_apply.py", "sharding/fsdp_module.py"},  # nn.Module._apply, FSDPModule._apply
+    "_buffers": {"buckets/uninitialized.py", "sharding/meta_init.py"},  # nn.Module._buffers
+    "_foreach_norm": {"tensor/dispatch.py"},  # aten._foreach_norm (the package's handler has its name)
+    "_get_fsdp_state": {"sharding/fsdp_module.py"},  # FSDPModule._get_fsdp_state, overridden
+    "_orig_cls_mro_index": {"sharding/fsdp_module.py"},  # read by FSDPModule.__new__
+    "_spec": {"tensor/ragged_tensor.py", "buckets/list_kernels.py", "sharding/materialize.py",
+              "interop/state_dict.py"},  # DTensor._spec (RaggedShardTensor's own _spec elsewhere)
+}
+UNDERSCORE_FREE = {  # torch internals without a leading underscore, read off objects torch hands over
+    "resolve_source_value": "Dynamo's OutputGraph method",
+    "compile_subgraph_reason": "the GraphModule attribute Dynamo sets",
+    "get_gradient_edge": "torch.autograd.graph's function (public) whose edge is the live accumulator",
+    "cudagraph_annotation": "the GraphModule meta key Dynamo's override_cudagraphs sets",
+}
+REGISTRY_WRITERS = {"custom_op", "triton_op", "add_safe_globals", "allow_in_graph", "Library"}
+TORCH_INTERNALS = "Torch internals relied on"
+_PRIVATE_WORD = re.compile(r"_[A-Za-z]\w*")
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+@dataclasses.dataclass
+class TorchUses:
+    """What the source scan finds: each name → the package files (paths under fsdp_pass/) that use it."""
+
+    private: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    registries: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    spelled: set[str] = dataclasses.field(default_factory=set)  # every attribute, string, def and class name
+
+
+class _FileScan:
+    """Rules 1-3 over one parsed file: torch chains, private attribute and string candidates, own names."""
+
+    def __init__(self, tree: ast.Module, torch_dir: pathlib.Path):
+        self.torch_dir = torch_dir
+        self.aliases: dict[str, str] = {}  # local name → dotted torch path
+        self.foreign: set[str] = set()  # local names bound to other top-level modules
+        self.chains: set[tuple[str, ...]] = set()  # resolved torch chains
+        self.candidates: set[str] = set()  # private names read off other objects, or spelled as strings
+        self.own: set[str] = set()  # names this file defines
+        self.spelled: set[str] = set()  # every attribute name, string constant, def and class name
+        nodes = list(ast.walk(tree))  # breadth first: a chain comes before its inner parts
+        self._bind_imports(node for node in nodes if type(node) in (ast.Import, ast.ImportFrom))
+        self._read(nodes)
+        for stmt in tree.body:  # module level: definitions, and string constants naming the package's attributes
+            for target in _assigned(stmt):
+                if type(target) is ast.Name:
+                    self.own.add(target.id)
+                    if type(stmt.value) is ast.Constant and isinstance(stmt.value.value, str):
+                        self.own.add(stmt.value.value)
+
+    def _bind_imports(self, imports) -> None:
+        for node in imports:
+            for name in node.names:
+                if type(node) is ast.Import:
+                    top, bound = name.name.split(".")[0], name.asname or name.name.split(".")[0]
+                    path = name.name if name.asname or top != "torch" else "torch"
+                    full = name.name
+                elif node.level == 0:
+                    top, bound = node.module.split(".")[0], name.asname or name.name
+                    path = full = f"{node.module}.{name.name}"
+                else:
+                    continue  # the package's own modules
+                if top == "torch":
+                    self.aliases[bound] = path
+                    self.chains.add(tuple(full.split(".")))
+                else:
+                    self.foreign.add(bound)
+
+    def _read(self, nodes: list[ast.AST]) -> None:
+        skipped: set[int] = set()  # docstrings, and pieces of a concatenation or an f-string
+        inner: set[int] = set()  # nodes inside a longer chain, read with it
+        written: list[ast.Attribute] = []  # ``name.attr = ...``
+        for node in nodes:
+            kind = type(node)
+            if kind is ast.Attribute:
+                if id(node) in inner:
+                    continue
+                parts, root = [], node
+                while type(root) is ast.Attribute:
+                    parts.append(root.attr)
+                    root = root.value
+                    inner.add(id(root))
+                parts.reverse()
+                self.spelled.update(parts)
+                rooted = type(root) is ast.Name
+                if rooted and root.id in self.aliases:
+                    self.chains.add((*self.aliases[root.id].split("."), *parts))
+                elif not (rooted and root.id in self.foreign):
+                    self.candidates.update(part for part in parts if _private(part))
+            elif kind is ast.Constant:
+                if isinstance(node.value, str):
+                    self.spelled.add(node.value)
+                    if id(node) not in skipped and _private(node.value) and _PRIVATE_WORD.fullmatch(node.value):
+                        self.candidates.add(node.value)
+            elif kind is ast.Name:
+                if node.id in self.aliases and id(node) not in inner:
+                    self.chains.add(tuple(self.aliases[node.id].split(".")))
+            elif kind is ast.BinOp:
+                skipped.update((id(node.left), id(node.right)))
+            elif kind is ast.JoinedStr:
+                skipped.update(id(value) for value in node.values)
+            elif kind in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef):
+                self.own.add(node.name)
+                self.spelled.add(node.name)
+                first = node.body[0]
+                if type(first) is ast.Expr and type(first.value) is ast.Constant:
+                    skipped.add(id(first.value))
+                if kind is ast.ClassDef:
+                    self.own.update(t.id for stmt in node.body for t in _assigned(stmt) if type(t) is ast.Name)
+            elif kind in (ast.Assign, ast.AnnAssign):
+                written.extend(t for t in _assigned(node) if type(t) is ast.Attribute and type(t.value) is ast.Name)
+            elif kind is ast.Module and node.body and type(node.body[0]) is ast.Expr:
+                skipped.add(id(node.body[0].value))
+        defined = self.own | {"self", "cls"}  # defs and classes of this file, and the instance or class at hand
+        self.own.update(t.attr for t in written if t.value.id in defined)
+
+    def canonical(self, chain: tuple[str, ...]) -> str:
+        """Rule 1's recorded form of a private torch chain."""
+        modules, path = 0, self.torch_dir.parent
+        for part in chain:
+            path = path / part
+            if not (path.is_dir() or path.with_suffix(".py").is_file() or path.with_suffix(".pyi").is_file()):
+                break
+            modules += 1
+        last_private = max(i for i, part in enumerate(chain) if _private(part))
+        return ".".join(chain[:max(modules + 1, last_private + 1)])
+
+
+def _assigned(stmt: ast.AST) -> list[ast.expr]:
+    """The targets ``stmt`` assigns (plain or annotated), tuples unpacked."""
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    return [t for target in targets for t in ast.walk(target) if isinstance(t, (ast.Name, ast.Attribute))]
+
+
+def torch_uses_in_sources(package: pathlib.Path = ROOT / "fsdp_pass") -> TorchUses:
+    """Rules 1-3 over every file of ``package``: the private torch names and the registry calls, by file."""
+    torch_dir = pathlib.Path(importlib.util.find_spec("torch").submodule_search_locations[0])  # not imported
+    scans = {path.relative_to(package).as_posix(): _FileScan(ast.parse(path.read_text()), torch_dir)
+             for path in sorted(package.rglob("*.py"))}
+    own = set().union(*(scan.own for scan in scans.values()))
+    uses = TorchUses()
+    for file, scan in scans.items():
+        for chain in scan.chains:
+            if any(_private(part) for part in chain):
+                uses.private.setdefault(scan.canonical(chain), set()).add(file)
+            if chain[-1].startswith("register") or chain[-1] in REGISTRY_WRITERS:
+                uses.registries.setdefault(".".join(chain), set()).add(file)
+        for name in scan.candidates:
+            if name not in own and not name.startswith("_fsdp_pass") and name not in NOT_TORCH:
+                uses.private.setdefault(name, set()).add(file)
+        for name, files in ALSO_TORCH.items():  # read, or overridden by a def of the same name
+            if file in files and name in scan.spelled:
+                uses.private.setdefault(name, set()).add(file)
+        uses.spelled |= scan.spelled
+        for name in UNDERSCORE_FREE:
+            if name in scan.spelled:
+                uses.private.setdefault(name, set()).add(file)
+    return uses
+
+
+def _rows(section: str) -> list[str]:
+    """The body rows of the markdown tables in ``section`` (each table's header and rule left out)."""
+    lines = section.splitlines()
+    rule = re.compile(r"\|[\s|:-]+\|$")
+    return [line for i, line in enumerate(lines) if line.startswith("|") and not rule.match(line)
+            and not (i + 1 < len(lines) and rule.match(lines[i + 1]))]
+
+
+def _naming(name: str) -> re.Pattern:
+    """Matches a code span's text that names ``name``, or a name inside it (``torch._inductor.config.patch``
+    names ``torch._inductor.config``; ``ProcessGroup._get_backend`` names ``_get_backend``)."""
+    return re.compile(rf"(?<![\w.]){re.escape(name)}(?!\w)" if "." in name else rf"(?<!\w){re.escape(name)}(?!\w)")
+
+
+def _torch_range() -> "packaging.specifiers.SpecifierSet":
+    """The torch releases pyproject.toml admits."""
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (line,) = re.findall(r'"(torch[<>=!~][^"]*)"', text)
+    return Requirement(line).specifier
+
+
+def test_torch_changes_lists_every_private_torch_name_and_registry_the_sources_use():
+    """Every private torch name the package's sources read and every torch registry they call (the rule above
+    ``NOT_TORCH``) is on a row of docs/torch_changes.md's "Torch internals relied on" with each file that uses
+    it; each row ends with the torch releases it was checked on, all in pyproject's range; no row names a
+    private name the sources no longer use."""
+    uses = torch_uses_in_sources()
+    assert len(uses.private) >= 40 and len(uses.registries) >= 3, f"the source scan found too little: {uses}"
+    for table, names in (("NOT_TORCH", NOT_TORCH), ("UNDERSCORE_FREE", UNDERSCORE_FREE)):
+        unused = sorted(set(names) - uses.spelled)
+        assert not unused, f"{table} names {unused}, which no file of the package spells any more: drop them"
+    for name, files in ALSO_TORCH.items():
+        stale = sorted(files - uses.private.get(name, set()))
+        assert not stale, f"ALSO_TORCH says {stale} read torch's {name}, but they no longer spell it: drop them"
+    rows = _rows(_section(TORCH_CHANGES.read_text(), TORCH_INTERNALS))
+    spans = [re.findall(r"`([^`]+)`", row) for row in rows]
+    missing = []
+    for kind, found in (("private torch name", uses.private), ("registry call", uses.registries)):
+        for name, files in sorted(found.items()):
+            naming = _naming(name)
+            on = [row for row, texts in zip(rows, spans) if any(naming.search(text) for text in texts)]
+            for file in sorted(files):
+                path = re.compile(rf"(?<![\w/]){re.escape(file)}(?!\w)")
+                if not any(path.search(row) for row in on):
+                    missing.append(f"{kind} {name} (in fsdp_pass/{file})")
+    assert not missing, (f'docs/torch_changes.md\'s "{TORCH_INTERNALS}" has no row naming (in a code span) each of these '
+                         f"with its file:\n" + "\n".join(missing))
+    supported = _torch_range()
+    spelled = uses.spelled | {part for name in [*uses.private, *uses.registries] for part in name.split(".")}
+    for row in rows:
+        checked = re.findall(r"\b\d+\.\d+\.\d+\b", row.rstrip(" |").rsplit("|", 1)[-1])
+        assert checked, f"a row of {TORCH_INTERNALS} does not end with the torch releases it was checked on: {row}"
+        outside = [release for release in checked if release not in supported]
+        assert not outside, f"releases {outside} are outside pyproject's torch range {supported}: {row}"
+        first = row.split("|")[1]
+        gone = {word for span in re.findall(r"`([^`]+)`", first) for word in re.findall(r"(?<!\w)_[A-Za-z]\w*", span)
+                if word not in spelled}
+        assert not gone, f"{TORCH_INTERNALS} names {sorted(gone)}, which no source file spells any more: {row}"
+
+
 def test_readme_results_table_is_six_one_line_rows_each_linked():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Results"):text.index("## Documentation")]
