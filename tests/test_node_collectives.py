@@ -87,7 +87,9 @@ def _training(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     for case in (_llama_case("two levels", {}, 1e-5),
                  _llama_case("two levels, backward gathers within the node", {"reshard_after_forward": 2}, 1e-5),
-                 _llama_case("two levels, last reduce at the optimizer step", {"overlap_last_reduce": True}, 1e-5)):
+                 _llama_case("two levels, last reduce at the optimizer step", {"overlap_last_reduce": True}, 1e-5),
+                 _llama_case("two levels, next step's first gather at the optimizer step",
+                             {"prefetch_next_step": True}, 1e-5)):
         run_case(case, rank, world, mesh)
         levels, groups = ShardingMesh(mesh, 0).node_levels(), _gather_groups()
         assert {levels.across, levels.within} <= groups and mesh.get_group(0).group_name not in groups, (case.name,
