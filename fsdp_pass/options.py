@@ -210,6 +210,9 @@ class Options:
             never cut by a rank boundary) instead of ``reduce_dtype`` values, as one all-to-all ([Note:
             block-quantized gradient reduction] in buckets/quantized_reduce.py). Lossy: measured as error
             and convergence in docs/benchmarks.md. Held as a :class:`QuantizedReduce` (None: off).
+        two_level_collectives: when the launcher reports that a bucket's ranks span nodes, gather and
+            reduce in two levels, across the nodes then within ([Note: collectives in two levels across
+            nodes] in buckets/node_collectives.py; default True); False: one step over the shard group.
         gradient_divide_factor: divide the gradients summed over the data-parallel ranks by this
             (default: the data-parallel degree, a mean; 1.0: the sum), as
             :func:`fsdp_pass.set_gradient_divide_factor`.
@@ -243,6 +246,7 @@ class Options:
     prefetch: int = 1
     max_inflight_bytes: int | None = None
     fp8_all_gather: "Fp8Options | None" = None
+    two_level_collectives: bool = True
     gradient_divide_factor: float | None = None
     quantized_reduce: QuantizedReduce | None = None
     mode: str | None = None
@@ -251,7 +255,7 @@ class Options:
     _NAMES = ("mesh", "shard_dim", "replicate_dim", "compiler", "compile_blocks_once", "shared_compile_cache", "reshard_after_forward", "reshard_last_bucket",
               "overlap_last_reduce", "prefetch_next_step", "step_reduced_first", "mp_policy", "bucket_size",
               "min_bucket_bytes", "block_sizes", "align_bytes", "prefetch", "max_inflight_bytes", "fp8_all_gather",
-              "gradient_divide_factor", "quantized_reduce", "mode")
+              "two_level_collectives", "gradient_divide_factor", "quantized_reduce", "mode")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None, mode: str | None = None) -> "Options":

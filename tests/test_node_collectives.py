@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_pass
+from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.buckets.mesh import ShardingMesh
 from fsdp_pass.buckets.node_collectives import (all_gather_in_two_levels, make_node_levels,
                                                 reduce_scatter_in_two_levels)
@@ -94,6 +95,13 @@ def _training(rank: int, world: int) -> None:
         levels, groups = ShardingMesh(mesh, 0).node_levels(), _gather_groups()
         assert {levels.across, levels.within} <= groups and mesh.get_group(0).group_name not in groups, (case.name,
                                                                                                        groups)
+
+    # turned off: one step over the shard group
+    run_case(_llama_case("two levels turned off", {"two_level_collectives": False}, 1e-5), rank, world, mesh)
+    levels, groups = ShardingMesh(mesh, 0).node_levels(), _gather_groups()
+    assert mesh.get_group(0).group_name in groups and not {levels.across, levels.within} & groups, groups
+    model = fsdp_pass.fully_shard(init_std(Llama(LlamaConfig(layers=1))), mesh, two_level_collectives=False)
+    assert all(b.mesh.node_levels() is None for b in buffers_of(model))
 
     # quantized: only the node sums cross, int8; error within the bound of the one-step form
     result = run_case(_llama_case("two levels, quantized", {"quantized_reduce": {"block": 32}}, 0.05), rank, world,

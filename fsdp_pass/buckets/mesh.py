@@ -33,6 +33,7 @@ class ShardingMesh:
     shard_dim: int = 0
     grad_divisor: int | None = None  # see ``divisor``
     copies: int = 1  # ranks of the bucket whose gradients are copies of one another's (see ``divisor``)
+    two_levels: bool = True  # whether collectives may run in two levels when the shard dim spans nodes
 
     @property
     def divisor(self) -> int:
@@ -94,8 +95,8 @@ class ShardingMesh:
         buckets/node_collectives.py); None when they run in one step on the shard dim's group. Made on first
         use, once per (mesh, shard dim), by every rank of the world alike ([Note: every rank makes every
         group] in buckets/launcher_nodes.py: a bucket asks when it is made, and the ranks make their buckets
-        in one order)."""
-        if self.shard_size == 1:
+        in one order). None too when ``two_levels`` is off (options['two_level_collectives'])."""
+        if self.shard_size == 1 or not self.two_levels:
             return None
         key = (self.mesh, self.shard_dim)
         if key not in _node_levels:

@@ -45,6 +45,7 @@ def fully_shard(
     offload_policy: Any = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     dp_mesh_dims: Any = None,
+    two_level_collectives: bool = True,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
@@ -102,6 +103,9 @@ def fully_shard(
             blocks; other placements are refused.
         dp_mesh_dims: FSDP2's ``DataParallelMeshDims(shard=..., replicate=...)`` on a named mesh: the same as
             ``shard_dim`` and ``replicate_dim``.
+        two_level_collectives: gather and reduce in two levels (across the nodes, then within) when the
+            launcher reports that a bucket's ranks span nodes (default True; [Note: collectives in two levels
+            across nodes] in buckets/node_collectives.py); False: one step over the shard group.
 
     Returns ``module``, its class swapped to ``FSDP<Cls>``, an ``FSDPModule`` with FSDP2's methods
     ([Note: FSDP2's module class on a fully_shard-ed module] in sharding/fsdp_module.py).
@@ -126,7 +130,7 @@ def fully_shard(
         mark_ignored(ignored_params)  # [Note: ignored parameters stay whole]
     named = [(name, p) for name, p in module.named_parameters(remove_duplicate=True) if not is_ignored(p)]
     sharding_mesh = resolve_mesh(mesh, shard_dim, argument="fully_shard's mesh", replicate_dim=replicate_dim,
-                                 model_dims=model_mesh_dims(named))
+                                 model_dims=model_mesh_dims(named), two_levels=two_level_collectives)
     blocks = {name: block_size(name, p, block_sizes) for name, p in named}
     if shard_placement_fn is not None:
         blocks = {name: _placement_block(name, p, shard_placement_fn(p), blocks[name]) for name, p in named}

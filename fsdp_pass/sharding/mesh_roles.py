@@ -9,6 +9,7 @@ DTensor placements do not use (its "FSDP dims"), so the order is "TP/EP first, t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -60,6 +61,7 @@ def resolve_mesh(
     *,
     replicate_dim: int | str | None = None,
     model_dims: Sequence[str] = (),
+    two_levels: bool = True,
 ) -> "ShardingMesh | ParallelMesh":
     """Validate the user's mesh, defaulting to all ranks of the default process group.
 
@@ -67,8 +69,15 @@ def resolve_mesh(
     A 2-D mesh is read as ``(replicate, shard)`` unless ``shard_dim`` says otherwise.
     ``argument`` is how error messages name the mesh (the backend option, or ``fully_shard``'s argument).
     With ``model_dims`` (the dims of the model's DTensor parameters, :func:`model_mesh_dims`), dims
-    given by name, or more than two dims, the result is a :class:`ParallelMesh`.
+    given by name, or more than two dims, the result is a :class:`ParallelMesh`. ``two_levels``: whether
+    collectives may run in two levels across the launcher's nodes (``two_level_collectives``).
     """
+    resolved = _resolve_mesh(mesh, shard_dim, argument, replicate_dim, model_dims)
+    return resolved if two_levels else dataclasses.replace(resolved, two_levels=False)
+
+
+def _resolve_mesh(mesh, shard_dim, argument: str, replicate_dim,
+                  model_dims: Sequence[str]) -> "ShardingMesh | ParallelMesh":
     if model_dims or replicate_dim is not None or isinstance(shard_dim, (str, tuple, list)) or (
         isinstance(mesh, DeviceMesh) and mesh.ndim > 2 and mesh.mesh_dim_names  # unnamed: the 1-D/2-D message
     ):
@@ -111,6 +120,7 @@ class ParallelMesh:
     root: DeviceMesh
     shard_dims: tuple[str, ...]
     replicate_dim: str | None = None
+    two_levels: bool = True  # handed to every ShardingMesh made here
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,12 +148,12 @@ class ParallelMesh:
         divisor = math.prod(self.size(n) for n in data_parallel) * copies
         if not dims:  # nothing left to shard over: a one-rank "shard" group
             return ShardingMesh(None, 0, divisor, copies) if self.replicate_dim is None else ShardingMesh(
-                self.root[self.replicate_dim], 0, divisor, copies)
+                self.root[self.replicate_dim], 0, divisor, copies, self.two_levels)
         shard_name = dims[0] if len(dims) == 1 else "_".join(dims)
         shard_mesh = self.root[shard_name] if len(dims) == 1 else self.root[dims]._flatten(shard_name)
         if self.replicate_dim is None:
-            return ShardingMesh(shard_mesh, 0, divisor, copies)
-        return ShardingMesh(self.root[(self.replicate_dim, shard_name)], 1, divisor, copies)
+            return ShardingMesh(shard_mesh, 0, divisor, copies, self.two_levels)
+        return ShardingMesh(self.root[(self.replicate_dim, shard_name)], 1, divisor, copies, self.two_levels)
 
     @staticmethod
     def resolve(mesh, shard_dim, replicate_dim, model_dims: tuple[str, ...], argument: str) -> "ParallelMesh":

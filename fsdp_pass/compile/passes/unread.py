@@ -73,7 +73,8 @@ def shard_with_options(named: Sequence[tuple[str, nn.Parameter]], opts: Options,
     """Shard ``named`` (those not sharded yet) with the backend's options: mesh roles, blocks (with the rows a
     graph asks of each name, ``graph_rows``), bucket plans and FP8 gathers ([Note: FP8 all-gather]); returns the
     new DBuffers."""
-    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named))
+    mesh = resolve_mesh(opts.mesh, opts.shard_dim, replicate_dim=opts.replicate_dim, model_dims=model_mesh_dims(named),
+                        two_levels=opts.two_level_collectives)
     rows = graph_rows or {}
     blocks = {name: block_size(name, p, opts.block_sizes, rows.get(name, ())) for name, p in named}
     config = ShardingConfig(opts.bucket_size, opts.align_bytes, opts.param_dtype, opts.min_bucket_bytes)
