@@ -257,3 +257,27 @@ def test_mp_policy_sets_the_dtypes_of_eager_and_compiled_gathers() -> None:
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
     with pytest.raises(ValueError, match="mp_policy param_dtype must be a floating torch.dtype"):
         fully_shard(MLP(), mp_policy={"param_dtype": torch.int8})
+
+
+@pytest.mark.parametrize("accelerator", [None, "cuda"])
+def test_the_mesh_made_without_one_is_on_the_current_accelerator_whatever_the_backend_is_named(
+        monkeypatch, accelerator):
+    """FSDP2's rule: ``mesh=None`` gives a mesh on the current accelerator when one is available, CPU
+    otherwise; the backend's name says nothing (``cuda:nccl,cpu:gloo`` and a backend left to torch's choice
+    are CUDA groups; here the fake group's "fake")."""
+    from fsdp_pass.sharding import mesh_roles
+    from fsdp_pass.testing.fake_pg import fake_process_group
+
+    asked = []
+
+    def recorded(device_type, shape):
+        asked.append(device_type)
+        return init_device_mesh("cpu", shape)  # a CPU build can make no CUDA mesh
+
+    monkeypatch.setattr(mesh_roles, "init_device_mesh", recorded)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda *a, **k: None if accelerator is None else torch.device(accelerator))
+    with fake_process_group(4):
+        mesh_roles.resolve_mesh(None)
+    assert asked == [accelerator or "cpu"]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_roles import check_rank_in_mesh
+from .mesh_roles import check_rank_in_mesh, default_device_type
 
 __all__ = ["check_ranks_agree"]
 
@@ -44,16 +44,18 @@ def check_ranks_agree(items: Sequence[str], what: str, mesh: DeviceMesh | None =
     if not groups:
         return
     digest = _digest(items)
+    # on the mesh's device: a group made with init_process_group("nccl") has no backend for CPU tensors
+    device = torch.device(mesh.device_type if mesh is not None else default_device_type())
     if len(groups) == 1:  # one group: name the ranks that differ
         group = groups[0]
-        mine = torch.tensor([digest], dtype=torch.int64)
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         ranks = list(range(len(every))) if group is None else dist.get_process_group_ranks(group)
         differing = [ranks[i] for i, t in enumerate(every) if int(t) != int(every[0])]
         detail = f"ranks {differing} differ from rank {ranks[0]}"
     else:  # a grid of groups: the largest and smallest digest, reduced over each dim in turn, reach every rank
-        bounds = torch.tensor([digest, -digest], dtype=torch.int64)
+        bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         for group in groups:
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
         differing = [] if int(bounds[0]) == -int(bounds[1]) else ["some"]

@@ -21,7 +21,20 @@ from torch.distributed.tensor import DTensor
 
 from ..buckets.mesh import ShardingMesh
 
-__all__ = ["ParallelMesh", "check_rank_in_mesh", "model_mesh_dims", "resolve_mesh"]
+__all__ = ["ParallelMesh", "check_rank_in_mesh", "default_device_type", "model_mesh_dims", "resolve_mesh"]
+
+
+def default_device_type() -> str:
+    """The device type of the mesh made when none is given, and of the tensors of collectives over the
+    default group: the current accelerator's when one is available (FSDP2's rule), else ``"cpu"``.
+
+    Read from the machine, not from the backend's name: ``init_process_group("nccl")`` has no backend for
+    CPU tensors, and ``"cuda:nccl,cpu:gloo"`` or a backend left to torch's choice are CUDA groups too."""
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None:
+            return accelerator.type
+    return "cpu"
 
 
 def check_rank_in_mesh(mesh: DeviceMesh, argument: str = "options['mesh']") -> None:
@@ -85,9 +98,7 @@ def _resolve_mesh(mesh, shard_dim, argument: str, replicate_dim,
     if mesh is None:
         if not dist.is_available() or not dist.is_initialized():
             return ShardingMesh(None, 0)
-        backend = dist.get_backend()
-        device = "cuda" if backend == "nccl" else "cpu"
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):

@@ -243,7 +243,10 @@ class MetaInit:
         if not self._buffers:
             return
         on_device = self.device.type != "cpu"
-        with torch.random.fork_rng(devices=[self.device.index or 0] if on_device else [],
+        # the device the buffers' init draws on: a mesh's device has no index, which means the current one
+        index = self.device.index if self.device.index is not None or not on_device else \
+            torch.get_device_module(self.device.type).current_device()
+        with torch.random.fork_rng(devices=[index] if on_device else [],
                                    device_type=self.device.type if on_device else "cuda"):
             for step in self.steps:
                 if id(step.module) in self.buffer_owners:

@@ -5,6 +5,8 @@ default) through a ``file://`` rendezvous. Ranks are forked from a ``forkserver`
 and fsdp_pass once ([Note: ranks forked from a preloaded server]). The parent watches every rank's result pipe and
 exit together: the first rank that raises (or dies with a non-zero exit code) ends the run at once,
 and the other ranks are killed, even while they wait in a collective that can no longer complete.
+Every rank runs under the strict mode of :mod:`fsdp_pass.testing.strict` unless the caller turns it off
+([Note: NCCL's rules, enforced on CPU]).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -23,11 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .inductor_cache import compile_each_graph_once
+from .strict import Strict, StrictRank, report_stuck_ranks, strict_config
 
 if TYPE_CHECKING:
     from .node_lab import NodeLab
 
-__all__ = ["RankFailed", "free_port", "run_distributed", "set_launcher_env"]
+__all__ = ["RankFailed", "Strict", "free_port", "run_distributed", "set_launcher_env"]
 
 _OK, _ERROR = "ok", "error"
 
@@ -59,7 +63,8 @@ class RankFailed(AssertionError):
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, conn: Connection,
-            pg_timeout: float, backend: str | None, pin_cores: bool, nice: int, lab: "NodeLab | None") -> None:
+            pg_timeout: float, backend: str | None, pin_cores: bool, nice: int, lab: "NodeLab | None",
+            strict: Strict | None) -> None:
     if lab is not None:  # first: before any thread or socket ([Note: a node lab])
         lab.enter(rank * lab.nodes // world_size)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size // lab.nodes)
@@ -67,7 +72,20 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     compile_each_graph_once()  # [Note: one Inductor compile per graph across ranks]
+    session = None
+    sending = threading.Lock()  # the strict mode's watchdog may report too
+
+    def fail_now(message: str) -> None:
+        with sending:
+            conn.send((_ERROR, message))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
     try:
+        if strict is not None:  # before the process group: it sets what the group is made with
+            session = StrictRank(strict, rank, world_size, _board(init_file), pg_timeout)
+            session.start_watchdog(fail_now)
         if pin_cores:
             cpus = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
@@ -78,11 +96,19 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
                 backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=pg_timeout),
             )
-        conn.send((_OK, fn(rank, world_size, *args)))
-    except BaseException:
-        conn.send((_ERROR, traceback.format_exc()))
+        result = fn(rank, world_size, *args)
+        if session is not None:
+            session.finish()  # raises StrictModeError when the ranks broke one of NCCL's rules
+        with sending:
+            conn.send((_OK, result))
+    except BaseException as error:
+        details = traceback.format_exc() + (session.explain(error) if session is not None else "")
+        with sending:
+            conn.send((_ERROR, details))
         raise
     finally:
+        if session is not None:
+            session.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     # The body passed and the group is gone. Skip interpreter finalization: on a loaded machine a
@@ -91,6 +117,11 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _board(init_file: str) -> str:
+    """The directory where the strict mode's ranks post what they compare, beside the rendezvous file."""
+    return os.path.join(os.path.dirname(init_file), "strict")
 
 
 def _supervise(procs: list, conns: list[Connection], timeout: float) -> list[Any]:
@@ -130,7 +161,7 @@ def _supervise(procs: list, conns: list[Connection], timeout: float) -> list[Any
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
                     pg_timeout: float = 60, backend: str | None = "gloo", pin_cores: bool = False,
-                    nice: int = 0, lab: "NodeLab | None" = None) -> list[Any]:
+                    nice: int = 0, lab: "NodeLab | None" = None, strict: bool | Strict = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return each rank's result.
 
     ``fn`` must be a module-level function and its arguments and return value picklable (they cross
@@ -142,6 +173,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     its nodes in consecutive blocks (``world_size`` a multiple of ``lab.nodes``), each rank runs in its
     node's namespace and sees ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as ``torchrun`` sets them.
 
+    ``strict`` holds the ranks to NCCL's rules ([Note: NCCL's rules, enforced on CPU]): every rank makes
+    every process group in the same order, every collective matches across its group's ranks. A rank
+    that breaks one fails with :class:`~fsdp_pass.testing.strict.StrictModeError` naming where. Only a
+    test that breaks a rule on purpose passes ``False``, or a :class:`Strict` with that check off.
+
     Raises :class:`RankFailed` (an ``AssertionError``) with the rank's traceback as soon as one rank
     raises or exits with a non-zero code, and ``TimeoutError`` if ranks are still running at the
     deadline; either way the remaining ranks are killed. A rank that exits with code 0 without
@@ -149,6 +185,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if lab is not None and world_size % lab.nodes:
         raise ValueError(f"world_size={world_size} ranks do not split evenly over the lab's {lab.nodes} nodes")
+    config = strict_config(strict)
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
@@ -156,7 +193,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, world_size, init_file, fn, args, pipes[r][1], pg_timeout, backend, pin_cores, nice,
-                                                  lab))
+                              lab, config))
             for r in range(world_size)
         ]
         try:
@@ -164,7 +201,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.start()
             for _, send in pipes:
                 send.close()  # the children hold the write ends: a dead child reads as end of pipe
-            return _supervise(procs, [recv for recv, _ in pipes], timeout)
+            try:
+                return _supervise(procs, [recv for recv, _ in pipes], timeout)
+            except TimeoutError as late:
+                stuck = report_stuck_ranks(_board(init_file), world_size) if config and config.fingerprints else ""
+                if stuck:
+                    raise TimeoutError(f"{late}\n{stuck}") from None
+                raise
         finally:
             started = [p for p in procs if p.pid is not None]
             for p in started:
