@@ -364,14 +364,14 @@ def check_cuda_only(args, report: Report) -> torch.device:
     if agreed:
         report("agreement", True, "check_ranks_agree over the mesh's group")
 
-    # the default mesh (no mesh given) of a meta-device model: its device follows dist.get_backend()
+    # the default mesh (no mesh given) of a meta-device model: on the current accelerator, whatever the backend's name
     with torch.device("meta"):
         meta_model = Llama(_small_llama(vocab=256, dim=64, ffn=128, seq=32))
     if _everywhere(report.attempt("default-mesh", fsdp_pass.fully_shard, meta_model) is not None, device):
         places = sorted({str(q.piece.device) for q in meta_model.parameters() if isinstance(q, RaggedShardTensor)})
         report("default-mesh", places == [str(device)],
                f"fully_shard(meta model) without a mesh under {dist.get_backend()!r}: shards on {places}, expected "
-               f"[{str(device)!r}] (fsdp_pass/sharding/mesh_roles.py picks the device from the backend's name)")
+               f"[{str(device)!r}] (fsdp_pass/sharding/mesh_roles.py default_device_type)")
     return device
 
 

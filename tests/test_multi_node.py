@@ -14,6 +14,7 @@ import pytest
 
 from fsdp_pass.testing.node_lab import NodeLab, unavailable
 from fsdp_pass.testing.spawn import free_port
+from fsdp_pass.testing.strict_script import strict_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train.py"
@@ -38,14 +39,16 @@ def _losses(log_json: Path, proc_output: str) -> dict:
 def _two_nodes(lab: NodeLab, args: list[str], log_json: Path) -> dict:
     """One torchrun agent per node; the c10d rendezvous is hosted by node 0's agent, across the link."""
     port = free_port()
+    # both agents' ranks under the strict mode, one board per launch ([Note: NCCL's rules, enforced on CPU])
+    script, strict_env = strict_launch(str(EXAMPLE), str(log_json.with_suffix(".strict")))
     procs = []
     for node in range(2):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{lab.address(0)}:{port}", "--rdzv-id", "lab",
                 "--rdzv-conf", "join_timeout=120", "--local-addr", lab.address(node), "--max-restarts", "0",
-                str(EXAMPLE), *SMALL, *args, "--log-json", str(log_json)]
-        procs.append(lab.popen(node, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True))
+                *script, *SMALL, *args, "--log-json", str(log_json)]
+        procs.append(lab.popen(node, argv, env={**_env(), **strict_env}, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True))
     outputs = []
     for proc in procs:  # the lab kills both agents and their ranks if one fails or the time runs out
         outputs.append(proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
@@ -57,9 +60,10 @@ def _two_nodes(lab: NodeLab, args: list[str], log_json: Path) -> dict:
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.skipif(LAB is not None, reason=LAB or "")
 def test_two_nodes_of_two_train_like_one_node_of_four(tmp_path):
+    script, strict_env = strict_launch(str(EXAMPLE), str(tmp_path / "one.strict"))
     one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          str(EXAMPLE), *SMALL, "--log-json", str(tmp_path / "one.json")],
-                         env={**os.environ, **_env()}, cwd=ROOT, capture_output=True, text=True,
+                          *script, *SMALL, "--log-json", str(tmp_path / "one.json")],
+                         env={**os.environ, **_env(), **strict_env}, cwd=ROOT, capture_output=True, text=True,
                          timeout=LAUNCH_TIMEOUT_S)
     reference = _losses(tmp_path / "one.json", one.stdout + one.stderr)
     assert reference["reshard_after_forward"] is True and reference["buckets"] > 1

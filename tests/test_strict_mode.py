@@ -142,6 +142,37 @@ def test_fsdp_pass_groups_on_two_nodes_keep_the_rules():
     assert all(len(r) == 1 and torch.isfinite(torch.tensor(r[0])) for r in losses)
 
 
+_SCRIPT = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    dist.new_group([0], use_local_synchronization=True)  # only rank 0 makes it
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_launched_by_torchrun_runs_under_the_strict_mode(tmp_path):
+    """The tests that launch scripts as users do (torchrun) run them through testing/strict_script.py: a
+    script that makes a group on some ranks only fails the launch with the strict mode's message."""
+    import subprocess
+    import sys
+
+    from fsdp_pass.testing.strict_script import strict_launch
+
+    (tmp_path / "bad.py").write_text(_SCRIPT)
+    script, env = strict_launch(str(tmp_path / "bad.py"), str(tmp_path / "board"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "0", *script], cwd=root, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, **env})
+    assert launch.returncode != 0, launch.stdout + launch.stderr
+    assert "StrictModeError: rank 0 made process group #0 of ranks [0] by its members alone" in launch.stderr, \
+        launch.stderr[-4000:]
+    assert "bad.py:6 in <module>" in launch.stderr, launch.stderr[-4000:]
+
+
 # -- rule 3: every collective matches across its group --------------------------------------------
 
 def _all_gather_of_another_dtype(rank: int, world: int) -> None:

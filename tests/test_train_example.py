@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_pass.testing.strict_script import strict_launch
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train.py"
 SMALL = ["--steps", "30", "--eval-every", "15", "--eval-batches", "2", "--dim", "64", "--layers", "2",
@@ -25,8 +27,8 @@ SUMMARY_ROWS = ("steps", "final train loss", "eval loss", "tokens/s", "step time
                 "peak memory per rank", "padding", "parameters per rank")
 
 
-def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
@@ -63,8 +65,9 @@ def test_two_ranks_and_one_process_train_the_same_model(tmp_path):
     gather to a root): per-step losses equal, the summary and checkpoint complete."""
     ckpt = tmp_path / "ckpt"
     args = [*SMALL, "--optimizer", "muon"]
-    two = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE), *args,
-                "--checkpoint-dir", str(ckpt), "--log-json", str(tmp_path / "two.json")])
+    script, strict_env = strict_launch(str(EXAMPLE), str(tmp_path / "strict"))  # NCCL's rules held
+    two = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script, *args,
+                "--checkpoint-dir", str(ckpt), "--log-json", str(tmp_path / "two.json")], env=strict_env)
     result = _result(two.stdout)
     _check_summary(two.stdout)
     assert "bucket 0:" in two.stdout and "collectives per step" in two.stdout, "plan summary missing"

@@ -71,7 +71,8 @@ __all__ = ["Strict", "StrictModeError", "StrictRank", "report_stuck_ranks", "str
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _REPO_DIR = str(Path(__file__).resolve().parents[2]) + os.sep
-_KIT_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn.py")}
+_KIT_FILES = {os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+              for name in ("strict.py", "spawn.py", "strict_script.py")}
 _NOTE = "[Note: NCCL's rules, enforced on CPU] in fsdp_pass/testing/strict.py"
 _WATCH_S = 0.5  # how often the watchdog looks at the rank's main thread
 _STALL_S = 5.0  # how long the main thread stands still before the watchdog compares collectives
@@ -171,7 +172,7 @@ def _is_ours(filename: str) -> bool:
     path = os.path.abspath(filename)
     return not (path.startswith(_TORCH_DIR) or path in _KIT_FILES or filename.startswith("<")
                 or f"{os.sep}multiprocessing{os.sep}" in path
-                or path.endswith((f"{os.sep}functools.py", f"{os.sep}contextlib.py", f"{os.sep}threading.py")))
+                or path.endswith(tuple(f"{os.sep}{name}.py" for name in ("functools", "contextlib", "threading", "runpy"))))
 
 
 def _site(frames: list[Frame], depth: int = 3) -> str:
