@@ -432,8 +432,23 @@ class DBuffer:
     def _hold_pending_views(self) -> None:
         """The parameters this backward reached have their gradient in the pending sum: give them (zero)
         views now, so that a ``zero_grad`` before the flush is seen ([Note: the gradient state of a parameter])."""
-        self.pending_names |= {name for name in self.reached if self.params[name].requires_grad}
-        self.attach_grads(self.gradient_buffer(create=True))
+        reached = {name for name in self.reached if self.params[name].requires_grad}
+        self.pending_names |= reached
+        grad = None if self._grad_ref is None else self._grad_ref()
+        if grad is None:
+            self.attach_grads(self.gradient_buffer(create=True))
+            return
+        # the live buffer: only the newly reached pieces change (an eager backward reaches one parameter per
+        # call; scanning the whole bucket each time would cost its parameters squared per backward)
+        in_flight.settle_tensor(grad)
+        for name in reached:
+            p = self.params[name]
+            if not _is_view_of(p.grad, grad):
+                piece = self.local_piece(name, grad)
+                piece.zero_()  # a piece without a view holds no gradient ([Note: the gradient state of a parameter])
+                p.grad = self.wrap(name, piece)
+        self.reached.clear()
+        self.mark_pending_views()
 
     def mark_pending_views(self) -> None:
         """Take the gradient buffer's present contents as what the pending sum's views hold; called after

@@ -7,6 +7,7 @@ and lives in :mod:`fsdp_pass.sharding.mesh_roles`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -62,7 +63,7 @@ class ShardingMesh:
     def shard_size(self) -> int:
         return 1 if self.mesh is None else self.mesh.size(self.shard_dim)
 
-    @property
+    @cached_property  # read for every piece of every eager op and gradient; a mesh's ranks never change
     def shard_rank(self) -> int:
         return 0 if self.mesh is None else self.mesh.get_local_rank(self.shard_dim)
 

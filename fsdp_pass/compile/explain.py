@@ -124,7 +124,7 @@ def _eager_lines(buffers: list[DBuffer], mine: list) -> list[str]:
         return []
     listed = ", ".join(outside[:_LISTED]) + (", ..." if len(outside) > _LISTED else "")
     lines = [f"outside the compiled graphs: {len(outside)} parameters ({listed}) no compiled graph reads; they run "
-             f"through the eager path when used (their bucket gathered, gradients all-reduced into the shards)"]
+             f"through the eager path when used (their bucket gathered, gradients reduce-scattered into the shards)"]
     lines += [f"graph break: graph {i} ends at {_first_line(r.graph_break)}" for i, r in enumerate(mine) if r.graph_break]
     for reason, count in torch._dynamo.utils.counters["graph_break"].items():
         hints = [line.strip() for line in reason.splitlines() if line.strip().startswith("Hint:")]

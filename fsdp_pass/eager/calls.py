@@ -17,13 +17,14 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   the op with the sharded parameter as its input and saves that (a piece), not the gathered copy,
   and backward gathers again where its formulas need the weight.
 * backward: autograd produces a whole-tensor gradient for the parameter. A hook on the parameter
-  (:func:`reduce_eager_gradient`, registered when it is sharded) all-reduces it over the bucket's
-  ranks, divides by the data-parallel degree (or the bucket's gradient divide factor), and adds
-  this rank's piece into the bucket's gradient shard: the same ``.grad`` views the compiled path fills, so an eager training step is
-  correct too (one all-reduce per parameter: slower than the compiled path, which reduce-scatters
-  once per bucket). Under ``no_sync`` (or while the bucket holds an accumulated gradient) the whole
-  gradient is added into the bucket's pending gradient instead, which the step's last backward
-  reduce-scatters once with the compiled graphs' ([Note: gradient accumulation without sync]).
+  (:func:`reduce_eager_gradient`, registered when it is sharded) adds it into the bucket's unreduced
+  sum, the one accumulation without sync uses ([Note: gradient accumulation without sync]), and
+  returns a zero piece for autograd to add into the parameter's ``.grad`` view. A backward that syncs
+  reduce-scatters each sum once at its end (the HSDP all-reduce, the division by the data-parallel
+  degree or the bucket's gradient divide factor, quantized or in two levels, as the compiled graphs
+  reduce) into the gradient shard the compiled path fills, so an eager training step is correct and
+  costs one reduce-scatter per bucket; under ``no_sync`` the sum waits for the step's last backward.
+  The sum holds one unsharded copy of the bucket's gradient until then.
 
 A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
 torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the
@@ -49,8 +50,7 @@ import weakref
 
 import torch
 
-from ..tensor import collectives
-from ..buckets.dbuffer import DBuffer, queue_flush_all
+from ..buckets.dbuffer import DBuffer
 from ..tensor.ragged_tensor import RaggedShardTensor
 
 __all__ = ["eager_gradient_added", "reduce_eager_gradient", "reduce_gradient_of_swapped_out"]
@@ -76,17 +76,10 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
         grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
     buf.note_reached([name])  # [Note: the gradient state of a parameter] in buckets/dbuffer.py
-    if buf.accumulating:  # no_sync, or a gradient already pending: reduced once, at the step's last backward
-        buf.add_pending(name, grad.detach().reshape(-1))
-        return buf.wrap(name, torch.zeros_like(buf.local_piece(name)))
-    whole = grad.detach().reshape(-1).to(buf.dtype, copy=True)  # summed in the master dtype
-    for group in buf.mesh.data_parallel_groups():
-        collectives.all_reduce_(whole, group)
-    a, b = buf.layout.local_range(name, buf.rank)
-    piece = (whole[a:b] / buf.grad_divisor).to(buf.dtype)
-    buf.attach_grads(buf.gradient_buffer(create=True))
-    queue_flush_all()  # what earlier micro-batches accumulated without sync
-    return buf.wrap(name, piece)
+    # into the bucket's unreduced sum: reduce-scattered once per bucket, at the end of this backward if the bucket
+    # syncs, else at the step's last backward ([Note: gradient accumulation without sync])
+    buf.add_pending(name, grad.detach().reshape(-1))
+    return buf.wrap(name, torch.zeros_like(buf.local_piece(name)))
 
 
 def eager_gradient_added(ref: weakref.ref, param: torch.Tensor) -> None:
@@ -99,12 +92,9 @@ def eager_gradient_added(ref: weakref.ref, param: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def reduce_gradient_of_swapped_out(ref: weakref.ref, name: str, owner: weakref.ref, swapped_out: torch.Tensor) -> None:
-    """Post-accumulate-grad hook on the contents parameter ``owner`` had before it was sharded, which a
-    live autograd graph still accumulates into ([Note: a parameter used before it was sharded]): the
-    whole gradient is reduced into the bucket and added to the parameter's ``.grad``."""
+def reduce_gradient_of_swapped_out(ref: weakref.ref, name: str, swapped_out: torch.Tensor) -> None:
+    """Post-accumulate-grad hook on the contents a parameter had before it was sharded, which a live autograd
+    graph still accumulates into ([Note: a parameter used before it was sharded]): the whole gradient joins
+    the bucket's unreduced sum as an eager call's does, and the parameter's ``.grad`` is its view."""
     grad, swapped_out.grad = swapped_out.grad, None
-    piece = reduce_eager_gradient(ref, name, grad)
-    param = owner()
-    if piece is not None and param is not None:
-        param.grad.add_(piece)
+    reduce_eager_gradient(ref, name, grad)  # its zero piece is not added anywhere: nothing to add

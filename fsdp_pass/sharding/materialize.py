@@ -221,7 +221,7 @@ def _swap_into_bucket(buf: DBuffer, name: str, p: nn.Parameter) -> None:
         swap_in_place(p, sharded)  # `sharded` now holds p's old contents
         if used:  # [Note: a parameter used before it was sharded]
             sharded.register_post_accumulate_grad_hook(
-                functools.partial(reduce_gradient_of_swapped_out, weakref.ref(buf), name, weakref.ref(p)))
+                functools.partial(reduce_gradient_of_swapped_out, weakref.ref(buf), name))
     buf.adopt(name, p)
 
 
