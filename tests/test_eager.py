@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
+from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
@@ -74,6 +75,25 @@ def _eager_training(rank: int, world: int) -> None:
     _train_side_by_side(rank, world, model, ref)
     assert [id(p) for p in model.parameters()] == identities
     assert all(isinstance(p.grad, RaggedShardTensor) or p.grad is None for p in model.parameters())
+
+    # FSDP2's recipe, eager: a unit per block. Each block's bucket is reduce-scattered as soon as all its
+    # gradients arrived, so the backward never holds more than one unsharded block gradient
+    ref = init_std(Llama(LlamaConfig(layers=3)))
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        fsdp_pass.fully_shard(block)
+    fsdp_pass.fully_shard(model)
+    _train_side_by_side(rank, world, model, ref)
+    later_blocks = [buf for block in model.layers[1:] for buf in buffers_of(block)]
+    held = []
+
+    def watch_input(_, args) -> None:  # when backward reaches block 0's input, the later blocks are done
+        args[0].register_hook(lambda g: held.append([b.pending_bytes for b in later_blocks]))
+
+    model.layers[0].register_forward_pre_hook(watch_input)
+    tokens = _batch(0, world, ref.cfg).chunk(world)[rank]
+    lm_loss(model(tokens), tokens).backward()
+    assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
 
 
 def test_eager_forward_backward_and_step_match_one_process():

@@ -196,6 +196,10 @@ class DBuffer:
         # the gradient buffer's version counter when the pending sum's views were last attached: a write
         # into the views since then is one the pending sum missed
         self._pending_views_version: int | None = None
+        self._pending_in_graph = False  # the pending leaf was handed to a compiled graph, whose backward adds to it
+        # trainable parameters whose eager gradient joined the pending sum in the running backward
+        # ([Note: eager calls on sharded parameters] in eager/calls.py): all of them reduce the bucket at once
+        self._eager_arrived: set[str] = set()
         # [Note: the last reduce-scatter overlaps the optimizer step] in step/deferred_reduce.py
         # (kept here, driven by step/deferred_reduce.py)
         self.deferred: torch.Tensor | None = None  # leaf whose .grad is this step's unreduced gradient (m·S)
@@ -392,7 +396,12 @@ class DBuffer:
         return self.shard.requires_grad and (not self.gradient_sync or self._pending is not None)
 
     def pending_input(self, config: GatherConfig) -> torch.Tensor:
-        """The autograd leaf whose ``.grad`` accumulates the unsharded gradient (made on first use)."""
+        """The autograd leaf whose ``.grad`` accumulates the unsharded gradient (made on first use), for a
+        compiled graph's input."""
+        self._pending_in_graph = True
+        return self._pending_leaf(config)
+
+    def _pending_leaf(self, config: GatherConfig) -> torch.Tensor:
         if self._pending is None:
             self._pending = self.gradient_leaf(config, _pending_accumulated)
             ref = weakref.ref(self)
@@ -406,7 +415,7 @@ class DBuffer:
         """Add an eager call's whole gradient of ``name`` (flat, summed over nothing yet) into the accumulated
         bucket gradient, which the backward that syncs reduce-scatters once ([Note: gradient accumulation
         without sync]; eager calls: [Note: eager calls on sharded parameters] in eager/calls.py)."""
-        leaf = self.pending_input(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
+        leaf = self._pending_leaf(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
         if leaf.grad is None:
             leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         else:
@@ -414,6 +423,21 @@ class DBuffer:
         lo, hi = self.layout.global_range(name)
         leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
         _pending_accumulated(weakref.ref(self))
+        self._eager_arrived_all(name)
+
+    def _eager_arrived_all(self, name: str) -> None:
+        """Note that ``name``'s eager gradient arrived in this backward; when every trainable parameter's has and
+        the bucket syncs, reduce the sum now instead of at the end of the backward, so an eager backward holds
+        one unsharded bucket gradient at a time, as FSDP2's does ([Note: eager calls on sharded parameters] in
+        eager/calls.py). Not while a compiled graph may still add to the sum."""
+        if not self._eager_arrived:
+            at_end_of_backward(weakref.ref(self), lambda buf: buf._eager_arrived.clear())
+        self._eager_arrived.add(name)
+        if not self.gradient_sync or self._pending_in_graph or not self._eager_arrived.issuperset(self.trainable_names):
+            return
+        self.flush_pending()
+        if self._pending is None and self in _with_pending:
+            _with_pending.remove(self)
 
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
@@ -485,6 +509,7 @@ class DBuffer:
             return
         self._settle_pending_views()
         self._pending = self._pending_config = self._pending_views_version = None
+        self._pending_in_graph = False
         self.reached |= self.pending_names
         self.pending_names = set()
         grad = pending.grad

@@ -379,6 +379,15 @@ def _default_group_name() -> str:
     return dist.group.WORLD.group_name if dist.is_initialized() else "0"
 
 
+def _position(thread: int) -> tuple[int, int] | None:
+    """Where ``thread`` is (its innermost frame and instruction), holding no reference once it returns: a
+    frame the watchdog kept would keep the running function's locals alive, and a gradient with one more
+    reference is copied by autograd's accumulation instead of taken over (a strict run must not change
+    what the program does)."""
+    frame = sys._current_frames().get(thread)
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
 # -- one rank --------------------------------------------------------------------------------------
 
 class StrictRank:
@@ -498,8 +507,7 @@ class StrictRank:
         main = threading.main_thread().ident
         seen, still_since, looked_at, answered = None, time.monotonic(), 0.0, _ABSENT
         while not self._stop.wait(_WATCH_S):
-            frame = sys._current_frames().get(main)
-            where = None if frame is None else (id(frame), frame.f_lasti)
+            where = _position(main)
             now = time.monotonic()
             if where != seen:
                 seen, still_since = where, now
