@@ -66,6 +66,13 @@ def peak_rss_bytes() -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _is_tensor(obj) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose object is gone (isinstance asks it for __class__)
+        return False
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every distinct CPU storage reachable from a live Python tensor (params, grads, optimizer
     state, flat buffers, ...). Wrapper subclasses (DTensor, RaggedShard) have no storage of their own and
@@ -77,7 +84,7 @@ def live_tensor_bytes() -> int:
     seen: dict[int, int] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated classes in gc's list warns
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        objects = [o for o in gc.get_objects() if _is_tensor(o)]
     for obj in objects:
         if isinstance(obj, FakeTensor):
             continue

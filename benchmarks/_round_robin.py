@@ -32,14 +32,14 @@ from typing import Callable
 
 import torch
 
-from _systems import SYSTEMS, Training, barrier
+from _systems import ALL_SYSTEMS, Training, barrier
 from fsdp_pass.testing.models import Llama, init_std
 
 TWIN = "#2"  # suffix of the second instance's tag
 
 
 def system_key(tag: str) -> str:
-    """The ``SYSTEMS`` key of a tag (a key, or a key + ``TWIN``)."""
+    """The ``ALL_SYSTEMS`` key of a tag (a key, or a key + ``TWIN``)."""
     return tag.removesuffix(TWIN)
 
 
@@ -54,9 +54,11 @@ def worker(rank: int, world: int, tags: list[str], args: dict) -> dict:
     return out
 
 
-def build(rank: int, world: int, tags: list[str], args: dict) -> tuple[dict[str, Training], dict[str, dict]]:
+def build(rank: int, world: int, tags: list[str], args: dict, built: Callable[[str], None] | None = None
+          ) -> tuple[dict[str, Training], dict[str, dict]]:
     """Every system of ``tags`` built and warmed up (``args["warmup"]`` steps) one after another: tag -> its
-    training, and tag -> what is recorded about it (``compile_s``, ``notes``, ``params``, an empty ``rounds``)."""
+    training, and tag -> what is recorded about it (``compile_s``, ``notes``, ``params``, an empty ``rounds``).
+    ``built(tag)``, when given, is called once each system is warmed up, before the next is built."""
     # Every system compiles the same forward functions (Llama.forward, ...): one cache entry each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(tags))
     cfg = args["cfg"]
@@ -64,7 +66,7 @@ def build(rank: int, world: int, tags: list[str], args: dict) -> tuple[dict[str,
     out: dict[str, dict] = {}
     for tag in tags:
         model = init_std(Llama(cfg))
-        runs[tag] = Training(SYSTEMS[system_key(tag)], model, world, rank, args["batch"], lambda name, gm: None)
+        runs[tag] = Training(ALL_SYSTEMS[system_key(tag)], model, world, rank, args["batch"], lambda name, gm: None)
         barrier()
         t0 = time.perf_counter()
         runs[tag].step(0)
@@ -74,14 +76,16 @@ def build(rank: int, world: int, tags: list[str], args: dict) -> tuple[dict[str,
         runs[tag].quiesce()
         out[tag] = {"compile_s": compile_s, "rounds": [], "notes": runs[tag].notes,
                     "params": sum(p.numel() for p in model.parameters())}
+        if built is not None:
+            built(tag)
     return runs, out
 
 
 def rounds(runs: dict[str, Training], out: dict[str, dict], args: dict, index: int,
            meter: Callable[[], float] | None = None) -> int:
     """``args["rounds"]`` rounds over ``runs`` from batch ``index`` on, appending each slice's step times to
-    ``out[tag]["rounds"]`` (and, with a ``meter``, what it counted over the timed steps to
-    ``out[tag]["metered"]``); returns the next batch index."""
+    ``out[tag]["rounds"]`` and their forward + backward times to ``out[tag]["fwd_bwd"]`` (and, with a
+    ``meter``, what it counted over the timed steps to ``out[tag]["metered"]``); returns the next batch index."""
     tags = list(runs)
     for r in range(args["rounds"]):
         order = tags[r % len(tags):] + tags[:r % len(tags)]
@@ -92,27 +96,30 @@ def rounds(runs: dict[str, Training], out: dict[str, dict], args: dict, index: i
             gc.disable()
             barrier()
             before = meter() if meter else 0.0
-            times = []
+            times, fwd_bwd = [], []
             for k in range(args["steps"]):
                 t0 = time.perf_counter()
-                runs[tag].step(index + 1 + k)
+                forward, backward, _ = runs[tag].step(index + 1 + k)
                 times.append(time.perf_counter() - t0)
+                fwd_bwd.append(forward + backward)
             gc.enable()
             if meter:
                 barrier()  # every rank's steps are done: the meter counts them all
                 out[tag].setdefault("metered", []).append(meter() - before)
             runs[tag].quiesce()
             out[tag]["rounds"].append(times)
+            out[tag].setdefault("fwd_bwd", []).append(fwd_bwd)
         index += 1 + args["steps"]
     return index
 
 
-def round_times(ranks: list[dict], tag: str) -> list[float]:
-    """Per round, the fastest of its timed steps, each step timed on its slowest rank (seconds).
+def round_times(ranks: list[dict], tag: str, field: str = "rounds") -> list[float]:
+    """Per round, the fastest of its timed steps, each step timed on its slowest rank (seconds); ``field``
+    "fwd_bwd": the same of the steps' forward + backward times.
 
     The fastest, not the median: other work on the cores only ever slows a step down, so the least
     disturbed step of a slice is the closest to what the system itself costs."""
-    rounds = zip(*(r[tag]["rounds"] for r in ranks))
+    rounds = zip(*(r[tag][field] for r in ranks))
     return [min(max(steps) for steps in zip(*per_rank)) for per_rank in rounds]
 
 
@@ -142,6 +149,16 @@ def ratio_summary(ratios: list[float]) -> dict:
             "geo_mean": math.exp(mean), "ci95": (math.exp(mean - half), math.exp(mean + half))}
 
 
+def ratio_cell(s: dict | None) -> str:
+    """``median (min-max) k/n, mean [low-high]``: the median per-round ratio, its range, the rounds it was
+    at most 1, and the geometric mean ratio with its 95% confidence interval (``ratio_summary``)."""
+    if s is None:
+        return "-"
+    low, high = s["ci95"]
+    return (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) {s['no_slower']}/{s['rounds']}, "
+            f"{s['geo_mean']:.2f} [{low:.2f}-{high:.2f}]")
+
+
 def per_round_ratios(a: list[float], b: list[float]) -> list[float]:
     """System A's round times over system B's, round by round."""
     return [x / y for x, y in zip(a, b)]
@@ -154,7 +171,7 @@ def summarize(ranks: list[dict], tags: list[str], references: list[str]) -> list
     r0 = ranks[0]
     rows = []
     for tag in tags:
-        system = SYSTEMS[system_key(tag)]
+        system = ALL_SYSTEMS[system_key(tag)]
         rows.append({
             "tag": tag, "key": system.key,
             "label": system.label + (" (second instance)" if tag.endswith(TWIN) else ""),

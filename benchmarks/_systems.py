@@ -1,4 +1,5 @@
-"""The systems ``step_time.py`` compares: each turns a plain model into (model, what the step calls).
+"""The systems ``step_time.py`` (``SYSTEMS``) and ``eager_step.py`` (``EAGER_SYSTEMS``) compare: each turns a
+plain model into (model, what the step calls).
 
 Every builder takes the plain model (same weights on every rank) and returns ``(model, info)``; the
 optimizer (plain ``torch.optim.AdamW``) is built on ``model.parameters()`` afterwards by the caller.
@@ -28,6 +29,14 @@ class System:
     compiled_fsdp: bool = False  # FSDP is inside compiled graphs: copies are counted on the graphs
     fsdp_pass: dict | None = None  # options for torch.compile(backend="vescale")
     fsdp2_reshard: bool | int = True  # FSDP2's fully_shard(reshard_after_forward=...) for each block
+    # fsdp_pass.fully_shard before (or without) any compile: "model" (the model, defaults), "units" (the model,
+    # min_bucket_bytes=0: a bucket per module unit) or "blocks" (each block, then the model: FSDP2's recipe)
+    fully_shard: str | None = None
+    compile_blocks: bool = False  # with fully_shard: each block .compile(backend="vescale"), the rest eager
+
+    @property
+    def sharded_by_fsdp_pass(self) -> bool:
+        return self.fsdp_pass is not None or self.fully_shard is not None
 
 
 _ACROSS_STEP_OFF = {"overlap_last_reduce": False, "prefetch_next_step": False, "step_reduced_first": False}
@@ -80,6 +89,18 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
                                           "quantized_reduce": True, "fp8_all_gather": True}),
     System("fsdp2_reshard2", "FSDP2 (eager), reshard_after_forward=2", fsdp2_reshard=2),
 )}
+
+# ``eager_step.py``'s systems besides ``fsdp2`` and ``fsdp2_compile``: fsdp_pass without torch.compile of the
+# whole model (its eager path: [Note: eager calls on sharded parameters] in fsdp_pass/eager/calls.py), and the
+# floor of an eager step. Not in SYSTEMS: step_time.py's default run stays what it was.
+EAGER_SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("single_eager", "single process, no comm (eager)", distributed=False),
+    System("fsdp_pass_eager", "fsdp_pass fully_shard(model), eager", fully_shard="model"),
+    System("fsdp_pass_eager_units", "fsdp_pass fully_shard(model, min_bucket_bytes=0), eager", fully_shard="units"),
+    System("fsdp_pass_regional", "fsdp_pass fully_shard per block + root, blocks compiled (vescale)", inductor=True,
+           fully_shard="blocks", compile_blocks=True),
+)}
+ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **EAGER_SYSTEMS}
 
 
 def simplefsdp_import_error() -> str | None:
@@ -197,6 +218,8 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
     notes: dict = {}
     if system.key == "single":
         return torch.compile(model), notes
+    if system.key == "single_eager":
+        return model, notes
     if system.key == "ddp":
         # broadcast_buffers=False: the only buffer (rotary table) is a constant.
         with warnings.catch_warnings():
@@ -223,6 +246,8 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         notes["bucket_plans"] = plans
         notes["compile_config"] = simplefsdp_compile_config(plans, graph_sink)
         return torch.compile(model, backend="inductor", fullgraph=True), notes
+    if system.fully_shard is not None:
+        return _fsdp_pass_fully_shard(system, model), notes
     if system.fsdp_pass is not None:
         import fsdp_pass  # noqa: F401  (registers the "vescale" backend)
 
@@ -232,6 +257,22 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
             notes["options_not_supported"] = dropped
         return torch.compile(model, backend="vescale", options=options), notes
     raise KeyError(system.key)
+
+
+def _fsdp_pass_fully_shard(system: System, model: nn.Module) -> nn.Module:
+    """``fsdp_pass.fully_shard`` as ``system.fully_shard`` says, then (``compile_blocks``) each block compiled."""
+    import fsdp_pass
+
+    if system.fully_shard == "blocks":
+        for block in model.layers:
+            fsdp_pass.fully_shard(block)
+        fsdp_pass.fully_shard(model)
+    else:
+        fsdp_pass.fully_shard(model, **({"min_bucket_bytes": 0} if system.fully_shard == "units" else {}))
+    if system.compile_blocks:
+        for block in model.layers:
+            block.compile(backend="vescale")
+    return model
 
 
 class Training:
@@ -273,7 +314,7 @@ class Training:
     def quiesce(self) -> None:
         """Leave nothing of this system in flight (the next step's gathers an fsdp_pass step issued), so
         the next system's collectives start on an idle process group."""
-        if self.system.fsdp_pass is not None:
+        if self.system.sharded_by_fsdp_pass:
             from fsdp_pass.buckets.dbuffer import buffers_of
             from fsdp_pass.step import prefetch
 

@@ -547,16 +547,6 @@ def round_robin(keys: list[str], args: dict, cfg: LlamaConfig, twin: str | None,
     return RR.summarize(ranks, tags, [*references, *([twin] if twin else [])])
 
 
-def _ratio_cell(s: dict | None) -> str:
-    """``median (min-max) k/n, mean [low-high]``: the median per-round ratio, its range, the rounds it was
-    at most 1, and the geometric mean ratio with its 95% confidence interval."""
-    if s is None:
-        return "-"
-    low, high = s["ci95"]
-    return (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) {s['no_slower']}/{s['rounds']}, "
-            f"{s['geo_mean']:.2f} [{low:.2f}-{high:.2f}]")
-
-
 def round_robin_table(rows: list[dict], references: list[str]) -> str:
     """Per system: its time in each round (``_round_robin.round_times``), their median, its ratios to each reference, whether its losses
     are bitwise OURS's (fsdp_pass systems), its first step (compiles included, caches warmed by the
@@ -571,7 +561,7 @@ def round_robin_table(rows: list[dict], references: list[str]) -> str:
         same = "-" if ours is None or not r["key"].startswith("fsdp_pass") else (
             "bitwise" if r["losses_rank0"] == ours["losses_rank0"] else "differ")
         lines.append(f"| {r['label']} | {' '.join(f'{1e3 * m:.0f}' for m in r['round_s'])} "
-                     f"| {1e3 * r['median_s']:.0f} | {' | '.join(_ratio_cell(r['ratios'].get(ref)) for ref in refs)} "
+                     f"| {1e3 * r['median_s']:.0f} | {' | '.join(RR.ratio_cell(r['ratios'].get(ref)) for ref in refs)} "
                      f"| {same} | {r['compile_s']:.0f} |")
     return "\n".join(lines)
 
