@@ -339,10 +339,18 @@ class DBuffer:
         shard ``grad``; the others keep theirs ([Note: the gradient state of a parameter])."""
         self._grad_ref = weakref.ref(grad)
         flat_buffers.register(grad, self.slots)  # [Note: one kernel per bucket]
+        self._view_reached(grad)
+
+    def _view_reached(self, grad: torch.Tensor, zero_new: bool = False) -> None:
+        """Give every trainable parameter :attr:`reached` that is not yet viewing ``grad`` its view (its piece
+        zeroed first with ``zero_new``: a piece without a view holds no gradient); empty ``reached``."""
         for name in self.reached:
             p = self.params[name]
             if p.requires_grad and not _is_view_of(p.grad, grad):
-                p.grad = self.wrap(name, self.local_piece(name, grad))
+                piece = self.local_piece(name, grad)
+                if zero_new:
+                    piece.zero_()
+                p.grad = self.wrap(name, piece)
         self.reached.clear()
         self.mark_pending_views()  # what was just added or attached is fsdp_pass's own write
 
@@ -423,9 +431,9 @@ class DBuffer:
         lo, hi = self.layout.global_range(name)
         leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
         _pending_accumulated(weakref.ref(self))
-        self._eager_arrived_all(name)
+        self._note_eager_arrival(name)
 
-    def _eager_arrived_all(self, name: str) -> None:
+    def _note_eager_arrival(self, name: str) -> None:
         """Note that ``name``'s eager gradient arrived in this backward; when every trainable parameter's has and
         the bucket syncs, reduce the sum now instead of at the end of the backward, so an eager backward holds
         one unsharded bucket gradient at a time, as FSDP2's does ([Note: eager calls on sharded parameters] in
@@ -435,9 +443,7 @@ class DBuffer:
         self._eager_arrived.add(name)
         if not self.gradient_sync or self._pending_in_graph or not self._eager_arrived.issuperset(self.trainable_names):
             return
-        self.flush_pending()
-        if self._pending is None and self in _with_pending:
-            _with_pending.remove(self)
+        _flush(self)
 
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
@@ -456,23 +462,15 @@ class DBuffer:
     def _hold_pending_views(self) -> None:
         """The parameters this backward reached have their gradient in the pending sum: give them (zero)
         views now, so that a ``zero_grad`` before the flush is seen ([Note: the gradient state of a parameter])."""
-        reached = {name for name in self.reached if self.params[name].requires_grad}
-        self.pending_names |= reached
+        self.pending_names |= {name for name in self.reached if self.params[name].requires_grad}
         grad = None if self._grad_ref is None else self._grad_ref()
         if grad is None:
             self.attach_grads(self.gradient_buffer(create=True))
             return
         # the live buffer: only the newly reached pieces change (an eager backward reaches one parameter per
-        # call; scanning the whole bucket each time would cost its parameters squared per backward)
+        # call; gradient_buffer's scan of the whole bucket each time would cost its parameters squared)
         in_flight.settle_tensor(grad)
-        for name in reached:
-            p = self.params[name]
-            if not _is_view_of(p.grad, grad):
-                piece = self.local_piece(name, grad)
-                piece.zero_()  # a piece without a view holds no gradient ([Note: the gradient state of a parameter])
-                p.grad = self.wrap(name, piece)
-        self.reached.clear()
-        self.mark_pending_views()
+        self._view_reached(grad, zero_new=True)
 
     def mark_pending_views(self) -> None:
         """Take the gradient buffer's present contents as what the pending sum's views hold; called after
@@ -690,9 +688,14 @@ def _flush_all() -> None:
     global _flush_all_queued
     _flush_all_queued = False
     for buf in list(_with_pending):
-        buf.flush_pending()
-        if buf._pending is None:
-            _with_pending.remove(buf)
+        _flush(buf)
+
+
+def _flush(buf: DBuffer) -> None:
+    """Reduce ``buf``'s pending sum if its bucket syncs, and forget the bucket once it holds none."""
+    buf.flush_pending()
+    if buf._pending is None and buf in _with_pending:
+        _with_pending.remove(buf)
 
 
 def at_end_of_backward(ref: weakref.ref, run: Callable[[DBuffer], None]) -> None:

@@ -20,11 +20,12 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   (:func:`reduce_eager_gradient`, registered when it is sharded) adds it into the bucket's unreduced
   sum, the one accumulation without sync uses ([Note: gradient accumulation without sync]), and
   returns a zero piece for autograd to add into the parameter's ``.grad`` view. A backward that syncs
-  reduce-scatters each sum once at its end (the HSDP all-reduce, the division by the data-parallel
-  degree or the bucket's gradient divide factor, quantized or in two levels, as the compiled graphs
-  reduce) into the gradient shard the compiled path fills, so an eager training step is correct and
-  costs one reduce-scatter per bucket; under ``no_sync`` the sum waits for the step's last backward.
-  The sum holds one unsharded copy of the bucket's gradient until then.
+  reduce-scatters each sum once (the HSDP all-reduce, the division by the data-parallel degree or the
+  bucket's gradient divide factor, quantized or in two levels, as the compiled graphs reduce) into the
+  gradient shard the compiled path fills, so an eager training step is correct and costs one
+  reduce-scatter per bucket: as soon as every trainable parameter of the bucket has its gradient in
+  (``DBuffer._note_eager_arrival``: the backward holds one unsharded bucket gradient at a time, as
+  FSDP2's), else at the backward's end. Under ``no_sync`` the sum waits for the step's last backward.
 
 A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
 torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the

@@ -243,10 +243,11 @@ class MetaInit:
         if not self._buffers:
             return
         on_device = self.device.type != "cpu"
-        # the device the buffers' init draws on: a mesh's device has no index, which means the current one
-        index = self.device.index if self.device.index is not None or not on_device else \
-            torch.get_device_module(self.device.type).current_device()
-        with torch.random.fork_rng(devices=[index] if on_device else [],
+        devices = []
+        if on_device:  # the device the buffers' init draws on: a mesh's device has no index, meaning the current one
+            index = self.device.index
+            devices = [torch.get_device_module(self.device.type).current_device() if index is None else index]
+        with torch.random.fork_rng(devices=devices,
                                    device_type=self.device.type if on_device else "cuda"):
             for step in self.steps:
                 if id(step.module) in self.buffer_owners:
