@@ -66,6 +66,17 @@ REGRESSIONS: dict[str, list[Event]] = {
     "frozen then unfrozen": [*_steps(Event("forward")), Event("freeze", on=True, target="branch"),
                              *_steps(Event("forward")), Event("freeze", on=False, target="branch"),
                              *_steps(Event("forward"))],
+    # requires_grad read at the flush instead of at each backward: a parameter frozen between no_sync
+    # micro-batches lost what it gathered before (one process keeps its .grad and steps it); one frozen for a
+    # micro-batch (or from its forward to its backward) and unfrozen before the flush got that one's gradient
+    "freeze and unfreeze around no_sync micro-batches":
+        [Event("sync", on=False), Event("forward"), Event("backward"), Event("freeze", on=True, target="branch"),
+         Event("sync", on=True), Event("forward", branch=False), Event("backward"), Event("step"),
+         Event("zero_grad"), Event("freeze", on=True, target="head"), Event("sync", on=False), Event("forward"),
+         Event("backward"), Event("forward"), Event("freeze", on=False, target="head"),
+         Event("freeze", on=True, target="moe.experts.1"), Event("backward"),
+         Event("freeze", on=False, target="moe.experts.1"), Event("sync", on=True), Event("forward"),
+         Event("backward"), Event("step")],
 }
 
 

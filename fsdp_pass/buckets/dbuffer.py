@@ -87,8 +87,14 @@ Events:
   that does not reach the bucket: the end of every backward that reduces a gradient flushes every pending
   sum whose bucket syncs, in the order the sums started, :func:`queue_flush_all`), reduces the pending sum
   once.
-* *zero_grad*, *freeze / unfreeze* (``requires_grad``), *optimizer step*, ``clip_grad_norm_``: act on the
-  views as on one process's tensors; a frozen parameter is never attached.
+* *freeze / unfreeze* (``requires_grad``) is read when a graph runs forward (one process's autograd records
+  no path to a frozen parameter) and when it runs backward (its gradient accumulator adds nothing to a
+  parameter frozen since): a backward notes only the parameters trainable both times, and leaves the
+  others' pieces out of what it adds, into the live buffer or into a pending or deferred sum
+  (:func:`note_reached`; eager calls get neither gradient nor hook for a frozen parameter). What a parameter gathered while trainable stays its own: a sum reduced
+  after the parameter was frozen reaches its view (the optimizer steps it, as one process's would with the
+  ``.grad`` it kept), and a sum that grew while it was frozen holds nothing of it after an unfreeze.
+* *zero_grad*, *optimizer step*, ``clip_grad_norm_``: act on the views as on one process's tensors.
 """
 
 from __future__ import annotations
@@ -323,8 +329,8 @@ class DBuffer:
         grad = None if self._grad_ref is None else self._grad_ref()
         if grad is not None:
             in_flight.settle_tensor(grad)
-            cleared = [name for name, p in self.params.items() if p.requires_grad and not _is_view_of(p.grad, grad)]
-            if len(cleared) == len(self.trainable_names):
+            cleared = [name for name, p in self.params.items() if not _is_view_of(p.grad, grad)]
+            if len(cleared) == len(self.params):
                 grad = None
             else:
                 with torch.no_grad():
@@ -346,7 +352,7 @@ class DBuffer:
         zeroed first with ``zero_new``: a piece without a view holds no gradient); empty ``reached``."""
         for name in self.reached:
             p = self.params[name]
-            if p.requires_grad and not _is_view_of(p.grad, grad):
+            if not _is_view_of(p.grad, grad):
                 piece = self.local_piece(name, grad)
                 if zero_new:
                     piece.zero_()
@@ -355,14 +361,18 @@ class DBuffer:
         self.mark_pending_views()  # what was just added or attached is fsdp_pass's own write
 
     @torch.no_grad()
-    def without_frozen(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` (a gradient shard about to be added into the live one) with the pieces of frozen parameters
-        zeroed: a graph over a trainable bucket computes every piece, and a frozen parameter that still holds
-        a ``.grad`` keeps it as it is ([Note: the gradient state of a parameter])."""
-        for name, p in self.params.items():
-            if not p.requires_grad:
-                self.local_piece(name, grad).zero_()
+    def without(self, grad: torch.Tensor, names: Iterable[str], whole: bool = False) -> torch.Tensor:
+        """A copy of ``grad`` (the bucket's gradient shard, or with ``whole`` the unsharded m·S gradient) with
+        the pieces of parameters ``names`` zeroed."""
+        grad = grad.clone()
+        for name in names:
+            piece = grad[slice(*self.layout.global_range(name))] if whole else self.local_piece(name, grad)
+            piece.zero_()
         return grad
+
+    def frozen(self, names: Iterable[str]) -> frozenset[str]:
+        """Those of ``names`` whose parameters do not require grad now."""
+        return frozenset(name for name in names if not self.params[name].requires_grad)
 
     def note_reached(self, names: Iterable[str]) -> None:
         """A backward reached parameters ``names`` ([Note: the gradient state of a parameter])."""
@@ -374,7 +384,7 @@ class DBuffer:
         groups = self.mesh.data_parallel_groups()
         if not groups:
             return
-        names = self.trainable_names
+        names = self.names  # a flush's names were trainable when reached, maybe not now
         mask = torch.tensor([name in self.reached for name in names], dtype=torch.uint8, device=self.shard.device)
         for group in groups:
             mask = collectives.all_reduced(mask, group, "max")
@@ -462,7 +472,7 @@ class DBuffer:
     def _hold_pending_views(self) -> None:
         """The parameters this backward reached have their gradient in the pending sum: give them (zero)
         views now, so that a ``zero_grad`` before the flush is seen ([Note: the gradient state of a parameter])."""
-        self.pending_names |= {name for name in self.reached if self.params[name].requires_grad}
+        self.pending_names |= self.reached
         grad = None if self._grad_ref is None else self._grad_ref()
         if grad is None:
             self.attach_grads(self.gradient_buffer(create=True))
@@ -519,7 +529,7 @@ class DBuffer:
         """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
         none) and attach it, as :meth:`attach_reduced` does."""
         def added() -> torch.Tensor:
-            reduced = self.without_frozen(reduce())
+            reduced = reduce()
             shard_grad = self.gradient_buffer()
             return reduced if shard_grad is None else shard_grad.add_(reduced)
 
@@ -608,11 +618,13 @@ class DBuffer:
 
 
 class _NoteReached(torch.autograd.Function):
-    """Identity whose backward notes the names a compiled graph read, when a gradient arrives."""
+    """Identity whose backward notes the names a compiled graph read, when a gradient arrives, and leaves
+    out the pieces of parameters frozen at the forward or at the backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, ref: weakref.ref, names: tuple[str, ...]) -> torch.Tensor:
-        ctx.ref, ctx.names = ref, names
+    def forward(ctx, x: torch.Tensor, ref: weakref.ref, names: tuple[str, ...], whole: bool) -> torch.Tensor:
+        ctx.ref, ctx.names, ctx.whole = ref, names, whole
+        ctx.frozen = ref().frozen(names)
         ctx.set_materialize_grads(False)
         return x.view_as(x)
 
@@ -620,17 +632,23 @@ class _NoteReached(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         buf = ctx.ref()
         if grad is not None and buf is not None:
-            buf.note_reached(ctx.names)
-        return grad, None, None
+            frozen = ctx.frozen | buf.frozen(ctx.names)
+            buf.note_reached(name for name in ctx.names if name not in frozen)
+            if frozen:
+                grad = buf.without(grad, frozen, whole=ctx.whole)
+        return grad, None, None, None
 
 
-def note_reached(x: torch.Tensor, buf: DBuffer, names: tuple[str, ...]) -> torch.Tensor:
-    """``x``, an input of a compiled graph that takes ``buf``'s gradient (its shard, or its pending or deferred
-    leaf), through an identity whose backward tells ``buf`` that a backward reached the parameters ``names``
-    the graph reads there ([Note: the gradient state of a parameter])."""
+def note_reached(x: torch.Tensor, buf: DBuffer, names: tuple[str, ...], whole: bool = False) -> torch.Tensor:
+    """``x``, an input of a compiled graph that takes ``buf``'s gradient (its shard, or with ``whole`` its
+    pending or deferred leaf), through an identity whose backward tells ``buf`` that a backward reached the
+    parameters ``names`` the graph reads there, those trainable both when the graph ran forward and when it
+    runs backward: the only ones one process's autograd adds into. The others' pieces of the graph's gradient
+    (a graph over a trainable bucket computes every piece) are zeroed there, before the gradient reaches the
+    live buffer or a pending or deferred sum ([Note: the gradient state of a parameter])."""
     if not x.requires_grad or not torch.is_grad_enabled():
         return x
-    return _NoteReached.apply(x, weakref.ref(buf), names)
+    return _NoteReached.apply(x, weakref.ref(buf), names, whole)
 
 
 def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor) -> bool:

@@ -215,7 +215,7 @@ def vescale(gm: fx.GraphModule, example_inputs: list, options: dict | None = Non
             step_prefetch.discard(buffers)
         # [Note: the gradient state of a parameter]: backward tells each bucket what this graph read
         shards = [note_reached(shard, buf, names) for shard, buf, names in zip(shards, buffers, reads)]
-        leaves = [note_reached(leaf, buffers[i], reads[i]) for leaf, i in zip(leaves, sorted(unreduced))]
+        leaves = [note_reached(leaf, buffers[i], reads[i], whole=True) for leaf, i in zip(leaves, sorted(unreduced))]
         return variants[VariantKey(unreduced, prefetched)](*shards, *leaves, *rest_args)
 
     def _take_prefetched(buffers: list[DBuffer]) -> bool:

@@ -185,15 +185,13 @@ def _install_whole_random_fills() -> None:
         handlers.setdefault(op, _any_or_all_whole)
 
 
-def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor | None) -> torch.Tensor | None:
-    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer, and
-    keep the frozen parameters' pieces of ``incoming`` out of it. An undefined ``incoming`` (a graph that
-    hands this bucket's gradient to a pending leaf instead) adds nothing."""
+def _resume_gradient(ref: weakref.ref, incoming: torch.Tensor | None) -> None:
+    """Before autograd accumulates into the shard: give it back the parameters' live gradient buffer (the
+    graph already left frozen parameters' pieces out of ``incoming``: :func:`note_reached`). An undefined
+    ``incoming`` (a graph that hands this bucket's gradient to a pending leaf instead) adds nothing."""
     buf = ref()
     if buf is not None and incoming is not None:
         buf.shard.grad = buf.gradient_buffer()
-        if buf.shard.grad is not None and len(buf.trainable_names) < len(buf.params):
-            return buf.without_frozen(incoming.clone())  # added into parameters' views, frozen ones' too
 
 
 def _hand_gradient_to_parameters(ref: weakref.ref, shard: torch.Tensor) -> None:
