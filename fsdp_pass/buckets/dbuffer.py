@@ -203,9 +203,10 @@ class DBuffer:
         # into the views since then is one the pending sum missed
         self._pending_views_version: int | None = None
         self._pending_in_graph = False  # the pending leaf was handed to a compiled graph, whose backward adds to it
-        # trainable parameters whose eager gradient joined the pending sum in the running backward
-        # ([Note: eager calls on sharded parameters] in eager/calls.py): all of them reduce the bucket at once
-        self._eager_arrived: set[str] = set()
+        # trainable parameters whose eager gradient has not yet joined the pending sum in the running backward
+        # ([Note: eager calls on sharded parameters] in eager/calls.py): when none is left the bucket is reduced;
+        # None before the backward's first eager gradient
+        self._eager_awaited: set[str] | None = None
         # [Note: the last reduce-scatter overlaps the optimizer step] in step/deferred_reduce.py
         # (kept here, driven by step/deferred_reduce.py)
         self.deferred: torch.Tensor | None = None  # leaf whose .grad is this step's unreduced gradient (m·S)
@@ -436,8 +437,8 @@ class DBuffer:
         leaf = self._pending_leaf(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
         if leaf.grad is None:
             leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
-        else:
-            self._settle_pending_views()
+        else:  # no .grad is cleared between two gradients of one backward: look for them at its first only
+            self._settle_pending_views(look_for_cleared=self._eager_awaited is None)
         lo, hi = self.layout.global_range(name)
         leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
         _pending_accumulated(weakref.ref(self))
@@ -448,12 +449,12 @@ class DBuffer:
         the bucket syncs, reduce the sum now instead of at the end of the backward, so an eager backward holds
         one unsharded bucket gradient at a time, as FSDP2's does ([Note: eager calls on sharded parameters] in
         eager/calls.py). Not while a compiled graph may still add to the sum."""
-        if not self._eager_arrived:
-            at_end_of_backward(weakref.ref(self), lambda buf: buf._eager_arrived.clear())
-        self._eager_arrived.add(name)
-        if not self.gradient_sync or self._pending_in_graph or not self._eager_arrived.issuperset(self.trainable_names):
-            return
-        _flush(self)
+        if self._eager_awaited is None:
+            self._eager_awaited = set(self.trainable_names)
+            at_end_of_backward(weakref.ref(self), _end_eager_backward)
+        self._eager_awaited.discard(name)
+        if self.gradient_sync and not self._pending_in_graph and not self._eager_awaited:
+            _flush(self)
 
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
@@ -490,9 +491,10 @@ class DBuffer:
             self._pending_views_version = grad._version
 
     @torch.no_grad()
-    def _settle_pending_views(self) -> None:
+    def _settle_pending_views(self, look_for_cleared: bool = True) -> None:
         """Before the pending sum grows or is reduced: drop the pending pieces of parameters whose ``.grad``
-        was cleared since, and refuse a write into the views the pending sum cannot follow."""
+        was cleared since (with ``look_for_cleared``: a scan of the pending names), and refuse a write into
+        the views the pending sum cannot follow."""
         grad = None if self._grad_ref is None else self._grad_ref()
         if grad is not None and self._pending_views_version is not None and grad._version != self._pending_views_version:
             written = sorted(n for n in self.pending_names if _is_view_of(self.params[n].grad, grad))
@@ -503,6 +505,8 @@ class DBuffer:
                     f"sync (fsdp_pass.no_sync / set_requires_gradient_sync(False)); the unreduced sum cannot follow "
                     f"such a write: call zero_grad() with set_to_none=True, or write the gradients after the backward "
                     f"that syncs")
+        if not look_for_cleared:
+            return
         pending = self._pending.grad
         for name in [n for n in self.pending_names if not _is_view_of(self.params[n].grad, grad)]:
             lo, hi = self.layout.global_range(name)
@@ -672,6 +676,10 @@ def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:
 # which collectives a flush issues must not depend on when each rank's garbage collector frees a model.
 _with_pending: list[DBuffer] = []
 _flush_all_queued = False  # a flush of every pending sum is queued for the end of the running backward
+
+
+def _end_eager_backward(buf: DBuffer) -> None:
+    buf._eager_awaited = None
 
 
 def _before_pending_accumulates(ref: weakref.ref) -> None:

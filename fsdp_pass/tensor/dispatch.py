@@ -19,6 +19,7 @@ tries its cases in order; the first that applies handles the op.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -83,7 +84,7 @@ class _OpCall:
     def leaves(self) -> list[Any]:
         """Every argument value, nested containers flattened."""
         if self._leaves is None:
-            self._leaves = tree_flatten((self.args, self.kwargs))[0]
+            self._leaves = _flat_leaves(self.args, self.kwargs)
         return self._leaves
 
     @property
@@ -112,7 +113,7 @@ class _OpCall:
     def run_on_pieces(self) -> Any:
         """The op itself, on every RaggedShard argument's local piece."""
         out = self.func(*_unwrap(self.args), **_unwrap(self.kwargs))
-        if self.func._schema.is_mutable:
+        if _is_mutable(self.func):
             self.count_writes()
         return out
 
@@ -133,10 +134,25 @@ class _OpCall:
 
     def run_with_replaced(self, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
         """The op itself, with every RaggedShard argument ``t`` replaced by ``replace(t)``."""
-        return self.func(
-            *tree_map_only(RaggedShardTensor, replace, self.args),
-            **tree_map_only(RaggedShardTensor, replace, self.kwargs),
-        )
+        return self.func(*_replaced(self.args, replace), **_replaced(self.kwargs, replace))
+
+
+def _flat_leaves(args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    """``tree_flatten((args, kwargs))``'s leaves, without pytree's generic walk for the shapes aten calls take
+    (values, and lists or tuples of values): an eager model op pays this on every call
+    ([Note: eager calls on sharded parameters] in eager/calls.py)."""
+    leaves: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if type(value) in (list, tuple, torch.Size):
+            for item in value:
+                if isinstance(item, (list, tuple, dict)):
+                    return tree_flatten((args, kwargs))[0]
+            leaves.extend(value)
+        elif isinstance(value, (list, tuple, dict)):  # a subclass (named tuple) or a dict: pytree knows them
+            return tree_flatten((args, kwargs))[0]
+        else:
+            leaves.append(value)
+    return leaves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +176,7 @@ def _is_eager_model_code(call: _OpCall) -> bool:
     """Model code reading sharded parameters outside a compiled graph: a matmul, a view, a broadcast
     against activations. Optimizer and clipping math (elementwise among pieces, list ops, in-place
     writes) keeps running on the pieces."""
-    if call.func._schema.is_mutable or _is_per_tensor_list_op(call) or call.pieces_are_fake:
+    if _is_mutable(call.func) or _is_per_tensor_list_op(call) or call.pieces_are_fake:
         return False  # cheap checks first: optimizer list ops must not pay for flattening their lists
     ragged = [t for t in call.leaves if isinstance(t, RaggedShardTensor)]
     if not all(map(is_sharded, ragged)):
@@ -189,10 +205,16 @@ def _keeps_layout(call: _OpCall) -> bool:
     return torch.Tag.pointwise in call.func.tags or call.func.overloadpacket in _LAYOUT_KEEPING_OPS
 
 
+@functools.cache
 def is_list_op(func) -> bool:
     """``_foreach_*`` and fused optimizer ops: one tensor per list entry, entry ``i`` of every list together."""
     name = func._schema.name
     return name.startswith("aten::_foreach_") or name in flat_buffers.FUSED_OPTIMIZER_OPS
+
+
+@functools.cache
+def _is_mutable(func) -> bool:
+    return func._schema.is_mutable
 
 
 def _is_per_tensor_list_op(call: _OpCall) -> bool:
@@ -256,19 +278,34 @@ def _describe(t: RaggedShardTensor) -> str:
 
 
 def _unwrap(tree: Any) -> Any:
-    """``tree`` with every RaggedShardTensor replaced by its local piece.
+    """``tree`` with every RaggedShardTensor replaced by its local piece."""
+    return _replaced(tree, _piece)
 
-    Arguments shaped like the optimizer's (tensors, lists of tensors, scalars, one level of nesting)
-    are unwrapped directly: pytree's generic walk costs more than the elementwise kernels of a
-    small model's optimizer step.
+
+def _piece(t: RaggedShardTensor) -> torch.Tensor:
+    return t.piece
+
+
+def _replaced(tree: Any, replace: Callable[[RaggedShardTensor], torch.Tensor]) -> Any:
+    """``tree`` with every RaggedShardTensor ``t`` replaced by ``replace(t)``.
+
+    Arguments shaped like the optimizer's and the model's (tensors, lists of tensors, scalars, one level of
+    nesting) are walked directly: pytree's generic walk costs more than the elementwise kernels of a small
+    model's optimizer step, and more than the dispatch itself of an eager model op.
     """
     if isinstance(tree, RaggedShardTensor):
-        return tree.piece
-    if isinstance(tree, list):
-        return [_unwrap(x) if isinstance(x, (RaggedShardTensor, list)) else x for x in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_unwrap(x) if isinstance(x, (RaggedShardTensor, list, tuple, dict)) else x for x in tree)
-    return tree_map_only(RaggedShardTensor, lambda t: t.piece, tree)
+        return replace(tree)
+    if type(tree) is torch.Size:
+        return tree
+    if type(tree) is list:
+        return [_replaced(x, replace) if isinstance(x, (RaggedShardTensor, list)) else x for x in tree]
+    if type(tree) is tuple:
+        return tuple(_replaced(x, replace) if isinstance(x, (RaggedShardTensor, list, tuple, dict)) else x
+                     for x in tree)
+    if type(tree) is dict:
+        return {k: _replaced(v, replace) if isinstance(v, (RaggedShardTensor, list, tuple, dict)) else v
+                for k, v in tree.items()}
+    return tree_map_only(RaggedShardTensor, replace, tree)
 
 
 # ---------------------------------------------------------------------------------------------
