@@ -548,7 +548,6 @@ def test_torch_changes_lists_every_change_fsdp_pass_makes():
 
 NOT_TORCH = {  # private names of Python and of other libraries, read off objects the rule cannot trace
     "_asdict": "a NamedTuple's own method (Python's collections)",
-    "_fields": "a NamedTuple's field names (Python's collections)",
     "_initialize_weights": "transformers' PreTrainedModel method",
     "_is_hf_initialized": "transformers' flag on an initialized module",
     "_get_state_dict": "torchtitan's CheckpointManager method, read off the package's subclass",

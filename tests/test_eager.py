@@ -4,6 +4,7 @@ per-block compilation; and no configuration trains silently wrong (2 gloo ranks 
 from __future__ import annotations
 
 import copy
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_pass
+from fsdp_pass.buckets import dbuffer
 from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.testing.spawn import run_distributed
@@ -67,6 +69,27 @@ def _train_side_by_side(rank: int, world: int, model: nn.Module, ref: nn.Module,
     print(f"rank {rank}: parameters within {_check_parameters(model, ref):.1e} after {steps} steps")
 
 
+def _check_backward_work_is_linear(model: nn.Module, tokens: torch.Tensor) -> None:
+    """Each eager gradient's bookkeeping looks at its own parameter, not at the whole bucket: a rescan per
+    gradient costs the bucket's parameters squared (1.3 s a step for a bucket of 579 parameters)."""
+    looks = []  # one entry per parameter looked at: a view check, or a parameter of a trainable-names list
+    is_view_of, trainable_names = dbuffer._is_view_of, dbuffer.DBuffer.trainable_names.fget
+
+    def counted_is_view_of(grad, buffer) -> bool:
+        looks.append(1)
+        return is_view_of(grad, buffer)
+
+    def counted_trainable_names(buf) -> list[str]:
+        looks.extend(buf.params)
+        return trainable_names(buf)
+
+    with patch.object(dbuffer, "_is_view_of", counted_is_view_of), \
+            patch.object(dbuffer.DBuffer, "trainable_names", property(counted_trainable_names)):
+        lm_loss(model(tokens), tokens).backward()
+    params = sum(len(buf.params) for buf in buffers_of(model))
+    assert len(looks) <= 6 * params, f"{len(looks)} looks at parameters in one eager backward over {params}"
+
+
 def _eager_training(rank: int, world: int) -> None:
     ref = init_std(Llama(LlamaConfig()))
     model = copy.deepcopy(ref)
@@ -75,6 +98,7 @@ def _eager_training(rank: int, world: int) -> None:
     _train_side_by_side(rank, world, model, ref)
     assert [id(p) for p in model.parameters()] == identities
     assert all(isinstance(p.grad, RaggedShardTensor) or p.grad is None for p in model.parameters())
+    _check_backward_work_is_linear(model, _batch(0, world, ref.cfg).chunk(world)[rank])
 
     # FSDP2's recipe, eager: a unit per block. Each block's bucket is reduce-scattered as soon as all its
     # gradients arrived, so the backward never holds more than one unsharded block gradient
