@@ -65,7 +65,7 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     gradient shard: autograd then adds the returned piece into that view in place.
     """
     buf: DBuffer | None = ref()
-    if buf is None:
+    if buf is None or not buf.params[name].requires_grad:  # frozen since its forward: one process adds nothing
         return None
     if isinstance(grad, RaggedShardTensor):  # cannot happen from model code: seeds and formulas are whole tensors
         raise RuntimeError(
@@ -76,8 +76,6 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     spec = buf.dtensor_specs.get(name)
     if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
         grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
-    if not buf.params[name].requires_grad:  # frozen since its forward: one process adds nothing
-        return None
     buf.note_reached([name])  # [Note: the gradient state of a parameter] in buckets/dbuffer.py
     # into the bucket's unreduced sum: reduce-scattered once per bucket, at the end of this backward if the bucket
     # syncs, else at the step's last backward ([Note: gradient accumulation without sync])
