@@ -15,6 +15,7 @@ import fsdp_pass
 from fsdp_pass.buckets import dbuffer
 from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
+from fsdp_pass.testing.loop_programs import Experts
 from fsdp_pass.testing.spawn import run_distributed
 from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
 
@@ -118,6 +119,40 @@ def _eager_training(rank: int, world: int) -> None:
     tokens = _batch(0, world, ref.cfg).chunk(world)[rank]
     lm_loss(model(tokens), tokens).backward()
     assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
+
+
+    _experts_complete_on_one_rank(rank, world)
+
+
+class _RoutedModel(nn.Module):
+    """A layer, experts some ranks' tokens skip, a head: the experts' bucket sits between two others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.moe = Experts(count=3)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, active: tuple[bool, ...]) -> torch.Tensor:
+        return self.head(self.moe(torch.relu(self.trunk(x)), active))
+
+
+def _experts_complete_on_one_rank(rank: int, world: int) -> None:
+    """Rank 0's tokens reach every expert, the others' skip one: rank 0's experts' bucket is complete before the
+    backward ends, the others' is not, and it must still be reduced at the same point on every rank ([Note: an eager
+    bucket's gradient is reduced once every rank has it]; reduced on rank 0 alone, the strict harness names the
+    mismatched collectives)."""
+    torch.manual_seed(0)
+    ref = _RoutedModel()
+    model = copy.deepcopy(ref)
+    fsdp_pass.fully_shard(model.moe)
+    fsdp_pass.fully_shard(model)
+    x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
+    active = [(True, True, True)] + [(True, True, False)] * (world - 1)
+    sum(ref(x[2 * r:2 * r + 2], active[r]).square().mean() for r in range(world)).div(world).backward()
+    model(x[2 * rank:2 * rank + 2], active[rank]).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad.full_tensor(), q.grad) <= TOLERANCE, name
 
 
 def test_eager_forward_backward_and_step_match_one_process():

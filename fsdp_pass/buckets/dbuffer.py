@@ -100,7 +100,7 @@ Events:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -267,7 +267,7 @@ class DBuffer:
 
     def whole_parameter(self, name: str) -> torch.Tensor:
         """``name``'s whole value for an eager op ([Note: eager calls on sharded parameters] in eager/calls.py)."""
-        return whole_views(self)[name]
+        return whole_views(self, _before_eager_gather)[name]
 
     def segment_sizes(self) -> list[int]:
         return [size for _, size in self.layout.segments()]
@@ -445,16 +445,19 @@ class DBuffer:
         self._note_eager_arrival(name)
 
     def _note_eager_arrival(self, name: str) -> None:
-        """Note that ``name``'s eager gradient arrived in this backward; when every trainable parameter's has and
-        the bucket syncs, reduce the sum now instead of at the end of the backward, so an eager backward holds
-        one unsharded bucket gradient at a time, as FSDP2's does ([Note: eager calls on sharded parameters] in
-        eager/calls.py). Not while a compiled graph may still add to the sum."""
+        """Note that ``name``'s eager gradient arrived in this backward ([Note: an eager bucket's gradient is
+        reduced once every rank has it])."""
         if self._eager_awaited is None:
             self._eager_awaited = set(self.trainable_names)
             at_end_of_backward(weakref.ref(self), _end_eager_backward)
         self._eager_awaited.discard(name)
-        if self.gradient_sync and not self._pending_in_graph and not self._eager_awaited:
-            _flush(self)
+
+    @property
+    def _eager_complete(self) -> bool:
+        """Whether every trainable parameter's eager gradient arrived in this backward, and the sum may be reduced
+        now: it syncs, and no compiled graph may still add to it."""
+        return (self._eager_awaited is not None and not self._eager_awaited and self.gradient_sync
+                and not self._pending_in_graph)
 
     def gradient_leaf(self, config: GatherConfig, on_gradient) -> torch.Tensor:
         """A :func:`pending_leaf` whose post-accumulate-grad hook calls ``on_gradient(weakref to self)``."""
@@ -680,6 +683,66 @@ _flush_all_queued = False  # a flush of every pending sum is queued for the end 
 
 def _end_eager_backward(buf: DBuffer) -> None:
     buf._eager_awaited = None
+
+
+# [Note: an eager bucket's gradient is reduced once every rank has it]
+# An eager backward reduce-scatters a bucket's gradient sum before the backward ends once every trainable
+# parameter's gradient is in, so that it holds about one unsharded bucket gradient at a time, as FSDP2's does.
+# Whether a bucket is complete is a rank's own fact: an MoE rank whose tokens reach every expert completes the
+# experts' bucket, a rank whose tokens skip one does not until the backward ends. A rank that reduced as soon as
+# its own bucket was complete would pair that reduce-scatter with another rank's next collective (a hang on NCCL,
+# a wrong sum or a crash on gloo). So the early reduction happens only where every rank agrees, at points every
+# rank reaches in the same order: just before each all-gather an eager backward issues (collectives, matched
+# across ranks like every eager call), one all-reduce of a byte per candidate bucket over the gathering bucket's
+# data-parallel groups says which are complete on every rank, and those are reduced, in the order of the
+# forward's gathers. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
+# same list on every rank) on the same groups; the list empties at the end of a backward that gathered. A candidate
+# freed meanwhile keeps its place, as not complete: when each rank's garbage collector frees a model must not
+# change what the ranks send. What is not complete everywhere is reduced at the backward's end, as every pending
+# sum is (:func:`queue_flush_all`).
+class _Candidate(NamedTuple):
+    bucket: weakref.ref  # a DBuffer the forward gathered eagerly
+    groups: tuple[str, ...]  # its data-parallel groups' names
+
+
+_gathered_by_forward: list[_Candidate] = []  # in the order the forward gathered them
+_candidates_end_queued_in = -1  # the backward (graph task id) whose end empties the candidates
+
+
+def _dp_group_names(buf: DBuffer) -> tuple[str, ...]:
+    return tuple(g.group_name for g in buf.mesh.data_parallel_groups())
+
+
+def _before_eager_gather(buf: DBuffer) -> None:
+    """Called by :func:`whole_views` before an eager all-gather of ``buf`` ([Note: an eager bucket's gradient is
+    reduced once every rank has it])."""
+    backward = torch._C._current_graph_task_id()
+    if backward != -1:
+        _reduce_complete_everywhere(buf, backward)
+    elif (torch.is_grad_enabled() and buf.shard.requires_grad
+          and all(c.bucket() is not buf for c in _gathered_by_forward)):
+        _gathered_by_forward.append(_Candidate(weakref.ref(buf), _dp_group_names(buf)))
+
+
+def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
+    global _candidates_end_queued_in
+    if _candidates_end_queued_in != backward:
+        _candidates_end_queued_in = backward
+        torch.autograd.Variable._execution_engine.queue_callback(_gathered_by_forward.clear)
+    groups = gathering.mesh.data_parallel_groups()
+    names = tuple(g.group_name for g in groups)
+    candidates = [c for c in _gathered_by_forward if c.groups == names]
+    if not candidates:
+        return
+    buckets = [c.bucket() for c in candidates]
+    incomplete = torch.tensor([b is None or not b._eager_complete for b in buckets], dtype=torch.uint8,
+                              device=gathering.shard.device)
+    for group in groups:
+        incomplete = collectives.all_reduced(incomplete, group, "max")
+    for candidate, b, not_everywhere in zip(candidates, buckets, incomplete.tolist()):
+        if not not_everywhere:
+            _gathered_by_forward.remove(candidate)
+            _flush(b)
 
 
 def _before_pending_accumulates(ref: weakref.ref) -> None:

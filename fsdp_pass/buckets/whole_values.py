@@ -7,12 +7,15 @@ so an optimizer step or any in-place write to a piece makes them stale; only the
 :data:`KEPT_BUCKETS` most recently used buckets keep theirs (a module's parameters share one
 gather, and an eager forward holds the shards plus one gathered bucket, like FSDP2's reshard after
 forward).
+The buckets a backward reads are freed when it ends, as FSDP2 reshards after backward: the optimizer
+step that follows makes them stale, and kept they would hold a bucket between steps.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
+from typing import Any, Callable
 
 import torch
 
@@ -23,10 +26,12 @@ __all__ = ["KEPT_BUCKETS", "drop_gathered", "whole_views"]
 
 KEPT_BUCKETS = 1  # buckets whose eager gather is kept for the next ops
 _kept: deque[weakref.ref] = deque()  # buckets holding eager views, least recently used first
+_drop_queued_in = -1  # the backward (autograd graph task id) whose end a drop_gathered is queued for
 
 
-def whole_views(buf) -> dict[str, torch.Tensor]:
-    """Every parameter of ``buf`` (a DBuffer) as a view of its eagerly gathered global buffer."""
+def whole_views(buf, before_gather: Callable[[Any], None]) -> dict[str, torch.Tensor]:
+    """Every parameter of ``buf`` (a DBuffer) as a view of its eagerly gathered global buffer; ``before_gather(buf)``
+    runs before a gather."""
     version = buf.shard._version
     cached = buf.whole_views
     if cached is None or cached[0] != version:
@@ -36,10 +41,14 @@ def whole_views(buf) -> dict[str, torch.Tensor]:
     if cached is None:
         while len(_kept) >= KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
             _drop(_kept.popleft())
+        before_gather(buf)
         views = buf.views(buf.all_gather(buf.compute_dtype))
         check_gathered(buf, views)  # [Note: uninitialized shards]
         buf.whole_views = cached = (version, views)
     _kept.append(weakref.ref(buf))
+    backward = torch._C._current_graph_task_id()
+    if backward != -1:  # read by a backward: freed at its end
+        _drop_at_end_of(backward)
     return cached[1]
 
 
@@ -47,6 +56,13 @@ def drop_gathered() -> None:
     """Free the gathered buckets kept for eager calls (they are also dropped as newer ones come)."""
     while _kept:
         _drop(_kept.popleft())
+
+
+def _drop_at_end_of(backward: int) -> None:
+    global _drop_queued_in
+    if _drop_queued_in != backward:  # once per backward (one that raised never ran its callback)
+        _drop_queued_in = backward
+        torch.autograd.Variable._execution_engine.queue_callback(drop_gathered)
 
 
 def _drop(ref: weakref.ref) -> None:

@@ -23,9 +23,11 @@ whose pieces cannot answer a matmul or a broadcast. For those ops:
   reduce-scatters each sum once (the HSDP all-reduce, the division by the data-parallel degree or the
   bucket's gradient divide factor, quantized or in two levels, as the compiled graphs reduce) into the
   gradient shard the compiled path fills, so an eager training step is correct and costs one
-  reduce-scatter per bucket: as soon as every trainable parameter of the bucket has its gradient in
-  (``DBuffer._note_eager_arrival``: the backward holds one unsharded bucket gradient at a time, as
-  FSDP2's), else at the backward's end. Under ``no_sync`` the sum waits for the step's last backward.
+  reduce-scatter per bucket: once every trainable parameter of the bucket has its gradient in on every
+  rank, agreed before the backward's next eager all-gather (so the backward holds about one unsharded
+  bucket gradient at a time, as FSDP2's; [Note: an eager bucket's gradient is reduced once every rank
+  has it] in buckets/dbuffer.py), else at the backward's end. Under ``no_sync`` the sum waits for the
+  step's last backward.
 
 A tensor/expert-parallel DTensor parameter takes the same path one level down: DTensor dispatch (or
 torchtitan's ``local_map``) hands the op its local tensor, a RaggedShard piece that carries the

@@ -43,7 +43,7 @@ from ..buckets.gradient_sync import set_requires_gradient_sync
 from ..sharding.fully_shard import fully_shard
 from ..tensor import in_flight
 
-__all__ = ["BranchyModel", "Event", "SHARDINGS", "TOLERANCE", "describe", "draw_program", "run_programs", "shrink"]
+__all__ = ["BranchyModel", "Event", "Experts", "SHARDINGS", "TOLERANCE", "describe", "draw_program", "run_programs", "shrink"]
 
 TOLERANCE = 1e-6  # relative Frobenius difference of each parameter, sharded against one process
 DIM = 8  # width of every layer: the smallest that still spreads each bucket over the ranks
@@ -61,7 +61,7 @@ class _EagerPart(nn.Module):
         return torch.tanh(self.proj(x))
 
 
-class _Experts(nn.Module):
+class Experts(nn.Module):
     """Experts a step may skip, as Mixtral's loop skips experts that get no tokens."""
 
     def __init__(self, count: int = 2) -> None:
@@ -83,7 +83,7 @@ class BranchyModel(nn.Module):
         super().__init__()
         self.trunk = nn.Linear(DIM, DIM)
         self.branch = nn.Linear(DIM, DIM)
-        self.moe = _Experts()
+        self.moe = Experts()
         self.eager = _EagerPart()
         self.head = nn.Linear(DIM, 2)
 
