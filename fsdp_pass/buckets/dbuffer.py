@@ -453,6 +453,11 @@ class DBuffer:
         self._eager_awaited.discard(name)
 
     @property
+    def _reached_all(self) -> bool:
+        """Whether every parameter of the bucket has its gradient in the sum about to be reduced."""
+        return self.pending_names.union(self.reached).issuperset(self.names)
+
+    @property
     def _eager_complete(self) -> bool:
         """Whether every trainable parameter's eager gradient arrived in this backward, and the sum may be reduced
         now: it syncs, and no compiled graph may still add to it."""
@@ -517,8 +522,9 @@ class DBuffer:
             self.pending_names.discard(name)
 
     @torch.no_grad()
-    def flush_pending(self) -> None:
-        """Reduce-scatter the accumulated gradient once, add it into the gradient shard, free it."""
+    def flush_pending(self, reached_everywhere: bool = False) -> None:
+        """Reduce-scatter the accumulated gradient once, add it into the gradient shard, free it.
+        ``reached_everywhere``: every rank reached every parameter of the bucket, so there is nothing to agree."""
         pending, config = self._pending, self._pending_config
         if pending is None or pending.grad is None or not self.gradient_sync:
             return
@@ -530,9 +536,9 @@ class DBuffer:
         grad = pending.grad
         pending.grad = None
         del pending
-        self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype))
+        self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype), reached_everywhere)
 
-    def add_reduced(self, reduce: Callable[[], torch.Tensor]) -> None:
+    def add_reduced(self, reduce: Callable[[], torch.Tensor], reached_everywhere: bool = False) -> None:
         """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
         none) and attach it, as :meth:`attach_reduced` does."""
         def added() -> torch.Tensor:
@@ -540,14 +546,18 @@ class DBuffer:
             shard_grad = self.gradient_buffer()
             return reduced if shard_grad is None else shard_grad.add_(reduced)
 
-        self.attach_reduced(added)
+        self.attach_reduced(added, reached_everywhere)
 
-    def attach_reduced(self, reduce: Callable[[], torch.Tensor]) -> None:
+    def attach_reduced(self, reduce: Callable[[], torch.Tensor], reached_everywhere: bool = False) -> None:
         """Attach the gradient shard ``reduce()`` returns, the reduction over every data-parallel rank of what
         was reached: first :attr:`reached` is agreed over those ranks (before ``reduce`` issues its
         collective), then the parameters reached on any rank get views ([Note: the gradient state of a
-        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`."""
-        self.agree_reached()
+        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`. With
+        ``reached_everywhere`` (every rank reached every parameter, agreed already) there is nothing to agree."""
+        if reached_everywhere:
+            self.reached.update(self.names)
+        else:
+            self.agree_reached()
         self.attach_grads(reduce())
 
     @property
@@ -693,9 +703,11 @@ def _end_eager_backward(buf: DBuffer) -> None:
 # its own bucket was complete would pair that reduce-scatter with another rank's next collective (a hang on NCCL,
 # a wrong sum or a crash on gloo). So the early reduction happens only where every rank agrees, at points every
 # rank reaches in the same order: just before each all-gather an eager backward issues (collectives, matched
-# across ranks like every eager call), one all-reduce of a byte per candidate bucket over the gathering bucket's
-# data-parallel groups says which are complete on every rank, and those are reduced, in the order of the
-# forward's gathers. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
+# across ranks like every eager call), one all-reduce of two bytes per candidate bucket over the gathering
+# bucket's data-parallel groups says which are complete on every rank, and those are reduced, in the order of the
+# forward's gathers. The second byte says whether every rank reached every parameter of the bucket (no frozen
+# one, no expert left out of an earlier micro-batch): then the flush's own agreement on what was reached
+# (:meth:`DBuffer.agree_reached`, one more all-reduce) has nothing to agree. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
 # same list on every rank) on the same groups; the list empties at the end of a backward that gathered. A candidate
 # freed meanwhile keeps its place, as not complete: when each rank's garbage collector frees a model must not
 # change what the ranks send. What is not complete everywhere is reduced at the backward's end, as every pending
@@ -735,14 +747,15 @@ def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
     if not candidates:
         return
     buckets = [c.bucket() for c in candidates]
-    incomplete = torch.tensor([b is None or not b._eager_complete for b in buckets], dtype=torch.uint8,
-                              device=gathering.shard.device)
+    # per candidate: not complete here, and not every parameter reached here (max over the ranks: anywhere)
+    flags = torch.tensor([[b is None or not b._eager_complete, b is None or not b._reached_all]
+                          for b in buckets], dtype=torch.uint8, device=gathering.shard.device)
     for group in groups:
-        incomplete = collectives.all_reduced(incomplete, group, "max")
-    for candidate, b, not_everywhere in zip(candidates, buckets, incomplete.tolist()):
-        if not not_everywhere:
+        flags = collectives.all_reduced(flags, group, "max")
+    for candidate, b, (incomplete, partly_reached) in zip(candidates, buckets, flags.tolist()):
+        if not incomplete:
             _gathered_by_forward.remove(candidate)
-            _flush(b)
+            _flush(b, reached_everywhere=not partly_reached)
 
 
 def _before_pending_accumulates(ref: weakref.ref) -> None:
@@ -780,9 +793,9 @@ def _flush_all() -> None:
         _flush(buf)
 
 
-def _flush(buf: DBuffer) -> None:
+def _flush(buf: DBuffer, reached_everywhere: bool = False) -> None:
     """Reduce ``buf``'s pending sum if its bucket syncs, and forget the bucket once it holds none."""
-    buf.flush_pending()
+    buf.flush_pending(reached_everywhere)
     if buf._pending is None and buf in _with_pending:
         _with_pending.remove(buf)
 
