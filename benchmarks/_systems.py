@@ -97,6 +97,7 @@ EAGER_SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("single_eager", "single process, no comm (eager)", distributed=False),
     System("fsdp_pass_eager", "fsdp_pass fully_shard(model), eager", fully_shard="model"),
     System("fsdp_pass_eager_units", "fsdp_pass fully_shard(model, min_bucket_bytes=0), eager", fully_shard="units"),
+    System("fsdp_pass_eager_blocks", "fsdp_pass fully_shard per block + root, eager", fully_shard="blocks"),
     System("fsdp_pass_regional", "fsdp_pass fully_shard per block + root, blocks compiled (vescale)", inductor=True,
            fully_shard="blocks", compile_blocks=True),
 )}

@@ -119,9 +119,22 @@ def _eager_training(rank: int, world: int) -> None:
     tokens = _batch(0, world, ref.cfg).chunk(world)[rank]
     lm_loss(model(tokens), tokens).backward()
     assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
-
-
+    _check_units_run_without_dispatch(model, tokens)
     _experts_complete_on_one_rank(rank, world)
+
+
+def _check_units_run_without_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:
+    """Every parameter of ``model`` is in a one-bucket unit ([Note: eager module units]): a forward and backward
+    run no op through RaggedShard dispatch; a unit whose forward raises gets its sharded parameters back."""
+    from fsdp_pass.tensor import dispatch
+
+    with patch.object(dispatch, "dispatch", side_effect=AssertionError("an op went through dispatch")):
+        lm_loss(model(tokens), tokens).backward()
+    block = model.layers[1]
+    with patch.object(type(block.attn), "forward", side_effect=RuntimeError("raised inside the unit")):
+        with pytest.raises(RuntimeError, match="inside the unit"):
+            model(tokens)
+    assert all(isinstance(p, RaggedShardTensor) for p in model.parameters())
 
 
 class _RoutedModel(nn.Module):

@@ -267,7 +267,7 @@ class DBuffer:
 
     def whole_parameter(self, name: str) -> torch.Tensor:
         """``name``'s whole value for an eager op ([Note: eager calls on sharded parameters] in eager/calls.py)."""
-        return whole_views(self, _before_eager_gather)[name]
+        return whole_views(self, before_eager_gather)[name]
 
     def segment_sizes(self) -> list[int]:
         return [size for _, size in self.layout.segments()]
@@ -725,7 +725,7 @@ def _dp_group_names(buf: DBuffer) -> tuple[str, ...]:
     return tuple(g.group_name for g in buf.mesh.data_parallel_groups())
 
 
-def _before_eager_gather(buf: DBuffer) -> None:
+def before_eager_gather(buf: DBuffer) -> None:
     """Called by :func:`whole_views` before an eager all-gather of ``buf`` ([Note: an eager bucket's gradient is
     reduced once every rank has it])."""
     backward = torch._C._current_graph_task_id()

@@ -67,6 +67,8 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     gradient shard: autograd then adds the returned piece into that view in place.
     """
     buf: DBuffer | None = ref()
+    if grad is None:  # a unit's backward took the whole gradient itself ([Note: eager module units] in eager/units.py)
+        return None
     if buf is None or not buf.params[name].requires_grad:  # frozen since its forward: one process adds nothing
         return None
     if isinstance(grad, RaggedShardTensor):  # cannot happen from model code: seeds and formulas are whole tensors

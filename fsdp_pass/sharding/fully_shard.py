@@ -23,6 +23,7 @@ from ..buckets.mesh import check_reshard_group_size
 from ..buckets.uninitialized import check_meta_buffers_before_forward
 from ..buckets.gradient_sync import apply_to_buckets
 from ..interop.module_apply import keep_shards_on_apply
+from ..eager.units import register_unit
 
 __all__ = ["fully_shard"]
 
@@ -155,6 +156,7 @@ def fully_shard(
         check_meta_buffers_before_forward(module, meta.left_on_meta, meta.names)
     if not isinstance(module, FSDPPassModule):  # a second call on the same module adds no second hooks
         register_forward_casts(module, param_dtype, *mp_policy_casts(mp_policy))
+        register_unit(module, new)  # [Note: eager module units]
     _enclose_auto_reshard(module)
     swap_to_fsdp_class(module)  # [Note: FSDP2's module class on a fully_shard-ed module]
     module.__dict__["_fsdp_pass_auto_reshard"] = auto_reshard  # reshard_after_forward=None, root so far

@@ -1,0 +1,210 @@
+"""Eager forward and backward of a ``fully_shard``-ed module unit: whole parameters swapped in, one gather per bucket.
+
+[Note: eager module units]
+Code that runs eagerly on sharded parameters works op by op ([Note: eager calls on sharded parameters] in
+eager/calls.py): every op on a RaggedShard parameter goes through ``__torch_dispatch__``, and every
+parameter's gradient through a tensor hook. A module given to :func:`fsdp_pass.fully_shard` (a *unit*:
+FSDP2's parameter group) does better when it is called eagerly, as FSDP2's hooks do it, on DBuffers:
+
+* before its forward (a forward pre-hook), each of the unit's own buckets is all-gathered, once, and its
+  parameters' entries in their modules' ``_parameters`` become the whole tensors, views of the gathered
+  buffer: the unit's ops run on plain tensors, with no dispatch. The trainable ones come out of one
+  autograd function (:class:`_WholeParameters`) whose inputs are the sharded parameters;
+* after its forward (a forward hook) the sharded parameters go back, and with ``reshard_after_forward``
+  the gathered buffer's storage is freed. What autograd saved of the whole tensors (views of that buffer)
+  is filled again before the unit's backward: the unit's outputs pass through :class:`_BeforeBackward`,
+  whose backward gathers the buckets again into the same storage;
+* the unit's backward hands :class:`_WholeParameters` every whole gradient at once; they join the bucket's
+  unreduced sum as an eager call's gradients do (``DBuffer.add_pending``: freezing, ``no_sync``, the
+  early reduction agreed by every rank, [Note: an eager bucket's gradient is reduced once every rank has
+  it] in buckets/dbuffer.py), and no gradient is returned to the sharded parameters: their ``.grad`` are
+  the views the reduction attaches.
+
+Every rank calls each unit's forward (its gathers are collectives), and the backward reaches each
+unit's outputs on every rank, so the gathers are matched across ranks even where ranks run different
+experts inside a unit. Inside a compiled graph the hooks do nothing: the graph gathers its own buckets
+(compile/passes/rewrite.py). The op-by-op path stays for parameters used outside their unit's forward
+(a weight tied to another unit, a submodule called on its own), for a unit whose parameters a compiled
+submodule holds (``block.mlp.compile()``: that graph reads them sharded), for units whose parameters are
+tensor/expert-parallel DTensors, and for units whose parameters fill several buckets: a whole model given
+to one ``fully_shard`` is bucketed by its blocks, and the op-by-op path gathers one of those buckets at a
+time, where a unit would gather them all at its entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..buckets.dbuffer import DBuffer, before_eager_gather
+from ..buckets.mesh import check_mesh_is_current
+from ..buckets.uninitialized import check_gathered
+
+__all__ = ["register_unit"]
+
+_UNIT_ATTR = "_fsdp_pass_unit"  # a unit module's _Unit, in its __dict__
+
+
+class _Unit:
+    """What a unit's hooks need, kept on the module (in its ``__dict__``, as :data:`_UNIT_ATTR`)."""
+
+    def __init__(self, module: nn.Module, buckets: list[DBuffer]) -> None:
+        self.buckets = buckets  # the unit's own buckets, in layout order
+        own = {id(p): (buf, name) for buf in buckets for name, p in buf.params.items()}
+        # (module holding it, attribute, bucket, name) for every entry of a unit parameter, shared ones each time
+        self.entries: list[tuple[nn.Module, str, DBuffer, str]] = [
+            (sub, attr, *own[id(p)]) for sub in module.modules() for attr, p in sub._parameters.items()
+            if p is not None and id(p) in own]
+        self.calls: list[_UnitCall] = []  # forwards running now (a unit may call itself)
+
+
+class _UnitCall:
+    """One forward of a unit: its gathered buffers, from its forward to its backward."""
+
+    def __init__(self, unit: _Unit) -> None:
+        self.unit = unit
+        self.gathered: dict[int, torch.Tensor] = {}  # id(bucket) → its gathered global buffer (m·S)
+        self.freed = False  # the buffers' storage was freed after forward
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """Gather every bucket of the unit; every parameter's whole tensor, by ``(bucket id, name)``."""
+        wholes = {}
+        for buf in self.unit.buckets:
+            check_mesh_is_current(buf)
+            before_eager_gather(buf)
+            gathered = buf.all_gather(buf.compute_dtype)
+            views = buf.views(gathered)
+            check_gathered(buf, views)  # [Note: uninitialized shards]
+            self.gathered[id(buf)] = gathered
+            wholes.update({(id(buf), name): view for name, view in views.items()})
+        return wholes
+
+    def free(self) -> None:
+        for buf in self.unit.buckets:
+            if buf.reshard_after_forward is not False:
+                self.gathered[id(buf)].untyped_storage().resize_(0)
+                self.freed = True
+
+    @torch.no_grad()
+    def gather_again(self) -> None:
+        """Fill the freed buffers again, before the unit's backward reads what it saved of them."""
+        if not self.freed:
+            return
+        self.freed = False
+        for buf in self.unit.buckets:
+            target = self.gathered[id(buf)]
+            if target.untyped_storage().nbytes() > 0:
+                continue
+            before_eager_gather(buf)
+            fresh = buf.all_gather(buf.compute_dtype)
+            target.untyped_storage().resize_(fresh.numel() * fresh.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(target):  # saved views of it stay valid
+                target.copy_(fresh)
+
+
+class _WholeParameters(torch.autograd.Function):
+    """The unit's trainable parameters (sharded) → their whole tensors; backward: into the buckets' sums."""
+
+    @staticmethod
+    def forward(ctx, call: _UnitCall, keys: tuple, wholes: tuple, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call, ctx.keys = call, keys
+        ctx.set_materialize_grads(False)  # a parameter no path reached gets None, not zeros: it is not reached
+        return tuple(w.view_as(w) for w in wholes)
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, *grads: torch.Tensor | None):
+        by_bucket = {id(buf): buf for buf in ctx.call.unit.buckets}
+        for (bucket_id, name), grad in zip(ctx.keys, grads):
+            buf = by_bucket[bucket_id]
+            if grad is None or not buf.params[name].requires_grad:  # frozen since its forward: nothing
+                continue
+            buf.note_reached([name])
+            buf.add_pending(name, grad.reshape(-1))
+        ctx.call.gathered.clear()  # what the unit's backward saved keeps the buffers alive as long as it needs
+        return (None, None, None) + (None,) * len(grads)  # the sharded parameters' .grad are the reduction's views
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward gathers the unit's buckets again (they were freed after forward)."""
+
+    @staticmethod
+    def forward(ctx, call: _UnitCall, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.gather_again()
+        return (None,) + grads
+
+
+def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():
+        return None
+    unit: _Unit | None = module.__dict__.get(_UNIT_ATTR)
+    if unit is None or _under_compiled(module, unit):
+        return None
+    call = _UnitCall(unit)
+    wholes = call.gather()
+    trainable = [(sub, attr, buf, name) for sub, attr, buf, name in unit.entries
+                 if torch.is_grad_enabled() and buf.params[name].requires_grad]
+    keys = tuple(dict.fromkeys((id(buf), name) for _, _, buf, name in trainable))
+    if keys:
+        params = [next(b for b in unit.buckets if id(b) == k[0]).params[k[1]] for k in keys]
+        outs = _WholeParameters.apply(call, keys, tuple(wholes[k] for k in keys), *params)
+        wholes.update(zip(keys, outs))
+    for sub, attr, buf, name in unit.entries:
+        sub._parameters[attr] = wholes[(id(buf), name)]
+    unit.calls.append(call)
+    return None
+
+
+def _runs_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s calls run compiled: ``torch.compile(module)``'s wrapper or ``module.compile()``."""
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _under_compiled(module: nn.Module, unit: _Unit) -> bool:
+    """Whether a parameter of ``unit`` lives in a compiled submodule of ``module``, whose graph reads it sharded
+    (checked at each call: ``block.compile()`` usually comes after ``fully_shard``)."""
+    compiled = {id(m) for sub in module.modules() if sub is not module and _runs_compiled(sub) for m in sub.modules()}
+    return bool(compiled) and any(id(sub) in compiled for sub, _, _, _ in unit.entries)
+
+
+def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return None
+    unit: _Unit | None = module.__dict__.get(_UNIT_ATTR)
+    if unit is None or not unit.calls:
+        return None
+    call = unit.calls.pop()
+    for sub, attr, buf, name in unit.entries:
+        sub._parameters[attr] = buf.params[name]
+    if output is None or not torch.is_grad_enabled():  # None also when the forward raised (always_call)
+        return None
+    leaves, spec = tree_flatten(output)
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return None
+    call.free()
+    passed = _BeforeBackward.apply(call, *(leaves[i] for i in at))
+    for i, t in zip(at, passed):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+def register_unit(module: nn.Module, buckets: list[DBuffer]) -> None:
+    """Make ``module`` a unit over its own ``buckets`` ([Note: eager module units]). A unit whose parameters are
+    tensor/expert-parallel DTensors, or fill several buckets, keeps the op-by-op path."""
+    if len(buckets) != 1 or buckets[0].dtensor_specs:
+        return
+    module.__dict__[_UNIT_ATTR] = _Unit(module, buckets)
+    module.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    module.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)  # the shards go back even if
+    # the forward raises
