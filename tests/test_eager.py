@@ -17,7 +17,7 @@ from fsdp_pass.buckets.dbuffer import buffers_of
 from fsdp_pass.tensor.ragged_tensor import RaggedShardTensor
 from fsdp_pass.testing.loop_programs import Experts
 from fsdp_pass.testing.spawn import run_distributed
-from fsdp_pass.testing.models import Llama, LlamaConfig, init_std, lm_loss
+from fsdp_pass.testing.models import Checkpointed, Llama, LlamaConfig, init_std, lm_loss
 
 pytestmark = pytest.mark.compat  # relies on torch internals: run on each supported torch release
 
@@ -121,6 +121,16 @@ def _eager_training(rank: int, world: int) -> None:
     assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
     _check_units_run_without_dispatch(model, tokens)
     _experts_complete_on_one_rank(rank, world)
+
+    # units under activation checkpointing: the recompute inside backward keeps what it gathered
+    for reentrant in (False, True):
+        ref = init_std(Llama(LlamaConfig(layers=2)))
+        ref.layers = nn.ModuleList(Checkpointed(block, reentrant) for block in ref.layers)
+        model = copy.deepcopy(ref)
+        for checkpointed in model.layers:
+            fsdp_pass.fully_shard(checkpointed.module)
+        fsdp_pass.fully_shard(model)
+        _train_side_by_side(rank, world, model, ref, steps=2)
 
 
 def _check_units_run_without_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:

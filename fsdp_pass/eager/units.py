@@ -192,7 +192,8 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
     at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not at:
         return None
-    call.free()
+    if torch._C._current_graph_task_id() == -1:  # not a recompute inside a backward (activation checkpointing),
+        call.free()  # whose saved tensors are read before any _BeforeBackward of its own would gather them again
     passed = _BeforeBackward.apply(call, *(leaves[i] for i in at))
     for i, t in zip(at, passed):
         leaves[i] = t

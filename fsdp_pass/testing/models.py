@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 __all__ = [
     "MLP", "LlamaConfig", "RMSNorm", "rope", "Attention", "SwiGLU", "MoE", "StackedMoE", "Block", "Llama",
     "lm_loss", "init_std", "random_tokens", "GRAPH_BREAKS", "BreakingStack", "tiny_hf_llama",
+    "Checkpointed",
 ]
 
 
@@ -250,6 +251,21 @@ class StackedMoE(nn.Module):
         h = F.silu(torch.matmul(t, self.w1.transpose(1, 2))) * torch.matmul(t, self.w3.transpose(1, 2))
         y = torch.matmul(h, self.w2.transpose(1, 2))  # (experts, b * s, d)
         return torch.einsum("etd,te->td", y, gate.reshape(b * s, -1)).view(b, s, d)
+
+
+class Checkpointed(nn.Module):
+    """``module`` under activation checkpointing (``torch.utils.checkpoint``), recomputed whole in backward
+    (early stop off: the recompute runs to the module's end, as a module with a side effect after its last
+    saved tensor does)."""
+
+    def __init__(self, module: nn.Module, reentrant: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        self.reentrant = reentrant
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=self.reentrant)
 
 
 # -- models whose forward Dynamo cannot trace whole ([Note: parameters no graph reads]) -----------
