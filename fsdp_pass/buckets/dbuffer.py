@@ -100,7 +100,7 @@ Events:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -430,27 +430,26 @@ class DBuffer:
         return self._pending
 
     @torch.no_grad()
-    def add_pending(self, name: str, whole: torch.Tensor) -> None:
-        """Add an eager call's whole gradient of ``name`` (flat, summed over nothing yet) into the accumulated
-        bucket gradient, which the backward that syncs reduce-scatters once ([Note: gradient accumulation
-        without sync]; eager calls: [Note: eager calls on sharded parameters] in eager/calls.py)."""
+    def add_pending(self, wholes: Mapping[str, torch.Tensor]) -> None:
+        """Add eager calls' whole gradients (name → flat gradient, summed over nothing yet; the names reached)
+        into the accumulated bucket gradient, which the backward that syncs reduce-scatters once ([Note:
+        gradient accumulation without sync]; eager calls: [Note: eager calls on sharded parameters] in
+        eager/calls.py, [Note: eager module units] in eager/units.py)."""
+        self.note_reached(wholes)
         leaf = self._pending_leaf(self._pending_config or self.config(self.param_dtype, self.reduce_dtype))
         if leaf.grad is None:
             leaf.grad = torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         else:  # no .grad is cleared between two gradients of one backward: look for them at its first only
             self._settle_pending_views(look_for_cleared=self._eager_awaited is None)
-        lo, hi = self.layout.global_range(name)
-        leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
+        for name, whole in wholes.items():
+            lo, hi = self.layout.global_range(name)
+            leaf.grad[lo:hi].add_(whole.to(leaf.dtype))
         _pending_accumulated(weakref.ref(self))
-        self._note_eager_arrival(name)
-
-    def _note_eager_arrival(self, name: str) -> None:
-        """Note that ``name``'s eager gradient arrived in this backward ([Note: an eager bucket's gradient is
-        reduced once every rank has it])."""
-        if self._eager_awaited is None:
+        if self._eager_awaited is None:  # this backward's first eager gradient
             self._eager_awaited = set(self.trainable_names)
             at_end_of_backward(weakref.ref(self), _end_eager_backward)
-        self._eager_awaited.discard(name)
+        self._eager_awaited.difference_update(wholes)  # [Note: an eager bucket's gradient is reduced once every
+        # rank has it]
 
     @property
     def _reached_all(self) -> bool:

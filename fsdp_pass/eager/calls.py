@@ -80,10 +80,10 @@ def reduce_eager_gradient(ref: weakref.ref, name: str, grad: torch.Tensor) -> to
     spec = buf.dtensor_specs.get(name)
     if spec is not None:  # a TP/EP parameter: its gradient's block in the parameter's placements
         grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
-    buf.note_reached([name])  # [Note: the gradient state of a parameter] in buckets/dbuffer.py
-    # into the bucket's unreduced sum: reduce-scattered once per bucket, at the end of this backward if the bucket
-    # syncs, else at the step's last backward ([Note: gradient accumulation without sync])
-    buf.add_pending(name, grad.detach().reshape(-1))
+    # reached ([Note: the gradient state of a parameter] in buckets/dbuffer.py), into the bucket's unreduced sum:
+    # reduce-scattered once per bucket, in this backward if the bucket syncs, else at the step's last backward
+    # ([Note: gradient accumulation without sync])
+    buf.add_pending({name: grad.detach().reshape(-1)})
     return buf.wrap(name, torch.zeros_like(buf.local_piece(name)))
 
 

@@ -118,13 +118,15 @@ class _WholeParameters(torch.autograd.Function):
     @staticmethod
     @torch.no_grad()
     def backward(ctx, *grads: torch.Tensor | None):
-        by_bucket = {id(buf): buf for buf in ctx.call.unit.buckets}
+        wholes: dict[int, dict[str, torch.Tensor]] = {id(buf): {} for buf in ctx.call.unit.buckets}
         for (bucket_id, name), grad in zip(ctx.keys, grads):
-            buf = by_bucket[bucket_id]
-            if grad is None or not buf.params[name].requires_grad:  # frozen since its forward: nothing
-                continue
-            buf.note_reached([name])
-            buf.add_pending(name, grad.reshape(-1))
+            if grad is not None:
+                wholes[bucket_id][name] = grad.reshape(-1)
+        for buf in ctx.call.unit.buckets:
+            # frozen since its forward: one process adds nothing to it
+            trainable = {name: g for name, g in wholes[id(buf)].items() if buf.params[name].requires_grad}
+            if trainable:
+                buf.add_pending(trainable)
         ctx.call.gathered.clear()  # what the unit's backward saved keeps the buffers alive as long as it needs
         return (None, None, None) + (None,) * len(grads)  # the sharded parameters' .grad are the reduction's views
 
