@@ -117,6 +117,8 @@ from .gather import Fp8Gather, GatherConfig, gather_bucket, reduce_gradient
 from .mesh import ShardingMesh
 from .whole_values import whole_views
 
+_c10d = torch.ops._c10d_functional
+
 __all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "is_unsharded", "mark_unsharded", "note_reached", "pending_leaf", "queue_flush_all"]
 
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
@@ -706,7 +708,9 @@ def _end_eager_backward(buf: DBuffer) -> None:
 # bucket's data-parallel groups says which are complete on every rank, and those are reduced, in the order of the
 # forward's gathers. The second byte says whether every rank reached every parameter of the bucket (no frozen
 # one, no expert left out of an earlier micro-batch): then the flush's own agreement on what was reached
-# (:meth:`DBuffer.agree_reached`, one more all-reduce) has nothing to agree. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
+# (:meth:`DBuffer.agree_reached`, one more all-reduce) has nothing to agree. A unit's gather before its backward
+# ([Note: eager module units] in eager/units.py) carries the flags itself, where the bucket's ranks are one group:
+# each rank sends them after its shard (:func:`gather_in_backward`), so the agreement costs no collective. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
 # same list on every rank) on the same groups; the list empties at the end of a backward that gathered. A candidate
 # freed meanwhile keeps its place, as not complete: when each rank's garbage collector frees a model must not
 # change what the ranks send. What is not complete everywhere is reduced at the backward's end, as every pending
@@ -735,26 +739,65 @@ def before_eager_gather(buf: DBuffer) -> None:
         _gathered_by_forward.append(_Candidate(weakref.ref(buf), _dp_group_names(buf)))
 
 
-def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
+class _Agreement(NamedTuple):
+    """What the ranks agree on before a backward's eager gather: per candidate, two flags (max over the ranks)."""
+
+    candidates: list[_Candidate]
+    buckets: list[DBuffer | None]  # the candidates' buckets (None: freed)
+    flags: torch.Tensor  # uint8 (candidates, 2): not complete here; not every parameter reached here
+
+
+def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
+    """This rank's side of the agreement before ``gathering``'s gather in ``backward`` (None: no candidates)."""
     global _candidates_end_queued_in
     if _candidates_end_queued_in != backward:
         _candidates_end_queued_in = backward
         torch.autograd.Variable._execution_engine.queue_callback(_gathered_by_forward.clear)
-    groups = gathering.mesh.data_parallel_groups()
-    names = tuple(g.group_name for g in groups)
+    names = _dp_group_names(gathering)
     candidates = [c for c in _gathered_by_forward if c.groups == names]
     if not candidates:
-        return
+        return None
     buckets = [c.bucket() for c in candidates]
-    # per candidate: not complete here, and not every parameter reached here (max over the ranks: anywhere)
     flags = torch.tensor([[b is None or not b._eager_complete, b is None or not b._reached_all]
                           for b in buckets], dtype=torch.uint8, device=gathering.shard.device)
-    for group in groups:
-        flags = collectives.all_reduced(flags, group, "max")
-    for candidate, b, (incomplete, partly_reached) in zip(candidates, buckets, flags.tolist()):
+    return _Agreement(candidates, buckets, flags)
+
+
+def _reduce_agreed(agreement: _Agreement, flags: torch.Tensor) -> None:
+    """Reduce the candidates complete on every rank (``flags``: the agreement's flags, max over the ranks)."""
+    for candidate, b, (incomplete, partly_reached) in zip(agreement.candidates, agreement.buckets, flags.tolist()):
         if not incomplete:
             _gathered_by_forward.remove(candidate)
             _flush(b, reached_everywhere=not partly_reached)
+
+
+def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
+    agreement = _agreement(gathering, backward)
+    if agreement is not None:
+        flags = agreement.flags
+        for group in gathering.mesh.data_parallel_groups():
+            flags = collectives.all_reduced(flags, group, "max")
+        _reduce_agreed(agreement, flags)
+
+
+@torch.no_grad()
+def gather_in_backward(buf: DBuffer, into: torch.Tensor) -> None:
+    """An eager backward's all-gather of ``buf`` (in ``compute_dtype``) into ``into`` (``m·S`` elements), with the
+    agreement before it ([Note: an eager bucket's gradient is reduced once every rank has it]) carried by the same
+    collective where the bucket's ranks are one group: each rank sends its flags after its shard."""
+    agreement = _agreement(buf, torch._C._current_graph_task_id())
+    config = buf.config(buf.compute_dtype, buf.dtype)
+    if agreement is None or config.levels is not None or config.replicate_group is not None or config.shard_world < 2:
+        if agreement is not None:
+            _reduce_complete_everywhere(buf, torch._C._current_graph_task_id())
+        into.copy_(buf.all_gather(buf.compute_dtype))
+        return
+    in_flight.settle_before_collective(buf.shard.device)
+    size, world = buf.shard.numel(), config.shard_world
+    sent = torch.cat([buf.shard.detach().to(buf.compute_dtype), agreement.flags.reshape(-1).to(buf.compute_dtype)])
+    received = _c10d.wait_tensor(_c10d.all_gather_into_tensor(sent, world, config.shard_group)).view(world, -1)
+    into.view(world, size).copy_(received[:, :size])
+    _reduce_agreed(agreement, received[:, size:].amax(0).to(torch.uint8).view(-1, 2))
 
 
 def _before_pending_accumulates(ref: weakref.ref) -> None:

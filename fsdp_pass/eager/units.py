@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..buckets.dbuffer import DBuffer, before_eager_gather
+from ..buckets.dbuffer import DBuffer, before_eager_gather, gather_in_backward
 from ..buckets.mesh import check_mesh_is_current
 from ..buckets.uninitialized import check_gathered
 
@@ -99,11 +99,9 @@ class _UnitCall:
             target = self.gathered[id(buf)]
             if target.untyped_storage().nbytes() > 0:
                 continue
-            before_eager_gather(buf)
-            fresh = buf.all_gather(buf.compute_dtype)
-            target.untyped_storage().resize_(fresh.numel() * fresh.element_size())
+            target.untyped_storage().resize_(target.numel() * target.element_size())
             with torch.autograd._unsafe_preserve_version_counter(target):  # saved views of it stay valid
-                target.copy_(fresh)
+                gather_in_backward(buf, target)
 
 
 class _WholeParameters(torch.autograd.Function):
