@@ -70,7 +70,7 @@ class _UnitCall:
         self.gathered: dict[int, torch.Tensor] = {}  # id(bucket) → its gathered global buffer (m·S)
         self.freed = False  # the buffers' storage was freed after forward
 
-    def gather(self) -> dict[str, torch.Tensor]:
+    def gather(self) -> dict[tuple[int, str], torch.Tensor]:
         """Gather every bucket of the unit; every parameter's whole tensor, by ``(bucket id, name)``."""
         wholes = {}
         for buf in self.unit.buckets:
