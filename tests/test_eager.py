@@ -3,6 +3,7 @@ per-block compilation; and no configuration trains silently wrong (2 gloo ranks 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from unittest.mock import patch
 
@@ -120,7 +121,8 @@ def _eager_training(rank: int, world: int) -> None:
     lm_loss(model(tokens), tokens).backward()
     assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
     _check_units_run_without_dispatch(model, tokens)
-    _experts_complete_on_one_rank(rank, world)
+    for per_op in (False, True):
+        _experts_complete_on_one_rank(rank, world, per_op)
 
     # units under activation checkpointing: the recompute inside backward keeps what it gathered
     for reentrant in (False, True):
@@ -160,16 +162,20 @@ class _RoutedModel(nn.Module):
         return self.head(self.moe(torch.relu(self.trunk(x)), active))
 
 
-def _experts_complete_on_one_rank(rank: int, world: int) -> None:
+def _experts_complete_on_one_rank(rank: int, world: int, per_op: bool) -> None:
     """Rank 0's tokens reach every expert, the others' skip one: rank 0's experts' bucket is complete before the
     backward ends, the others' is not, and it must still be reduced at the same point on every rank ([Note: an eager
     bucket's gradient is reduced once every rank has it]; reduced on rank 0 alone, the strict harness names the
-    mismatched collectives)."""
+    mismatched collectives). As units (the agreement in the gather before each unit's backward), and ``per_op``
+    with no unit registered (the agreement in an all-reduce before each gather dispatch makes)."""
+    from fsdp_pass.sharding import fully_shard as sharding
+
     torch.manual_seed(0)
     ref = _RoutedModel()
     model = copy.deepcopy(ref)
-    fsdp_pass.fully_shard(model.moe)
-    fsdp_pass.fully_shard(model)
+    with patch.object(sharding, "register_unit", lambda module, buckets: None) if per_op else contextlib.nullcontext():
+        fsdp_pass.fully_shard(model.moe)
+        fsdp_pass.fully_shard(model)
     x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
     active = [(True, True, True)] + [(True, True, False)] * (world - 1)
     sum(ref(x[2 * r:2 * r + 2], active[r]).square().mean() for r in range(world)).div(world).backward()

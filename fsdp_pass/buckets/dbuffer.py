@@ -710,10 +710,11 @@ def _end_eager_backward(buf: DBuffer) -> None:
 # one, no expert left out of an earlier micro-batch): then the flush's own agreement on what was reached
 # (:meth:`DBuffer.agree_reached`, one more all-reduce) has nothing to agree. A unit's gather before its backward
 # ([Note: eager module units] in eager/units.py) carries the flags itself, where the bucket's ranks are one group:
-# each rank sends them after its shard (:func:`gather_in_backward`), so the agreement costs no collective. The candidates are the trainable buckets the forward gathered eagerly (gathers too, so the
-# same list on every rank) on the same groups; the list empties at the end of a backward that gathered. A candidate
-# freed meanwhile keeps its place, as not complete: when each rank's garbage collector frees a model must not
-# change what the ranks send. What is not complete everywhere is reduced at the backward's end, as every pending
+# each rank sends them after its shard (:func:`gather_in_backward`), so the agreement costs no collective. The
+# candidates are the trainable buckets the forward gathered eagerly (gathers too, so the same list on every rank)
+# on the same groups; the list empties at the end of a backward that gathered. A candidate freed meanwhile keeps
+# its place, as not complete: when each rank's garbage collector frees a model must not change what the ranks
+# send. What is not complete everywhere is reduced at the backward's end, as every pending
 # sum is (:func:`queue_flush_all`).
 class _Candidate(NamedTuple):
     bucket: weakref.ref  # a DBuffer the forward gathered eagerly
@@ -771,13 +772,18 @@ def _reduce_agreed(agreement: _Agreement, flags: torch.Tensor) -> None:
             _flush(b, reached_everywhere=not partly_reached)
 
 
+def _reduce_agreed_by_all_reduce(agreement: _Agreement, gathering: DBuffer) -> None:
+    """Agree in all-reduces of the flags over ``gathering``'s data-parallel groups, then reduce."""
+    flags = agreement.flags
+    for group in gathering.mesh.data_parallel_groups():
+        flags = collectives.all_reduced(flags, group, "max")
+    _reduce_agreed(agreement, flags)
+
+
 def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
     agreement = _agreement(gathering, backward)
     if agreement is not None:
-        flags = agreement.flags
-        for group in gathering.mesh.data_parallel_groups():
-            flags = collectives.all_reduced(flags, group, "max")
-        _reduce_agreed(agreement, flags)
+        _reduce_agreed_by_all_reduce(agreement, gathering)
 
 
 @torch.no_grad()
@@ -789,7 +795,7 @@ def gather_in_backward(buf: DBuffer, into: torch.Tensor) -> None:
     config = buf.config(buf.compute_dtype, buf.dtype)
     if agreement is None or config.levels is not None or config.replicate_group is not None or config.shard_world < 2:
         if agreement is not None:
-            _reduce_complete_everywhere(buf, torch._C._current_graph_task_id())
+            _reduce_agreed_by_all_reduce(agreement, buf)
         into.copy_(buf.all_gather(buf.compute_dtype))
         return
     in_flight.settle_before_collective(buf.shard.device)

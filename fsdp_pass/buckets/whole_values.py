@@ -22,7 +22,7 @@ import torch
 from .mesh import check_mesh_is_current
 from .uninitialized import check_gathered
 
-__all__ = ["KEPT_BUCKETS", "drop_gathered", "whole_views"]
+__all__ = ["KEPT_BUCKETS", "drop_gathered", "gathered_views", "whole_views"]
 
 KEPT_BUCKETS = 1  # buckets whose eager gather is kept for the next ops
 _kept: deque[weakref.ref] = deque()  # buckets holding eager views, least recently used first
@@ -34,22 +34,29 @@ def whole_views(buf, before_gather: Callable[[Any], None]) -> dict[str, torch.Te
     runs before a gather."""
     version = buf.shard._version
     cached = buf.whole_views
-    if cached is None or cached[0] != version:
-        check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
+    if cached is not None and cached[0] != version:  # stale: gathered again below
         buf.whole_views = cached = None
     _unlist(buf)  # it goes back at the most recently used end
     if cached is None:
         while len(_kept) >= KEPT_BUCKETS:  # free before gathering: the peak is the kept buckets plus this one
             _drop(_kept.popleft())
-        before_gather(buf)
-        views = buf.views(buf.all_gather(buf.compute_dtype))
-        check_gathered(buf, views)  # [Note: uninitialized shards]
-        buf.whole_views = cached = (version, views)
+        buf.whole_views = cached = (version, gathered_views(buf, before_gather)[1])
     _kept.append(weakref.ref(buf))
     backward = torch._C._current_graph_task_id()
     if backward != -1:  # read by a backward: freed at its end
         _drop_at_end_of(backward)
     return cached[1]
+
+
+def gathered_views(buf, before_gather: Callable[[Any], None]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """An eager all-gather of ``buf`` (in ``compute_dtype``, after ``before_gather(buf)``) and every parameter as a
+    view of it, checked for uninitialized shards."""
+    check_mesh_is_current(buf)  # before the first gather ([Note: wrappers around a sharded model])
+    before_gather(buf)
+    gathered = buf.all_gather(buf.compute_dtype)
+    views = buf.views(gathered)
+    check_gathered(buf, views)  # [Note: uninitialized shards]
+    return gathered, views
 
 
 def drop_gathered() -> None:

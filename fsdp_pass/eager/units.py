@@ -41,8 +41,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..buckets.dbuffer import DBuffer, before_eager_gather, gather_in_backward
-from ..buckets.mesh import check_mesh_is_current
-from ..buckets.uninitialized import check_gathered
+from ..buckets.whole_values import gathered_views
 
 __all__ = ["register_unit"]
 
@@ -74,12 +73,7 @@ class _UnitCall:
         """Gather every bucket of the unit; every parameter's whole tensor, by ``(bucket id, name)``."""
         wholes = {}
         for buf in self.unit.buckets:
-            check_mesh_is_current(buf)
-            before_eager_gather(buf)
-            gathered = buf.all_gather(buf.compute_dtype)
-            views = buf.views(gathered)
-            check_gathered(buf, views)  # [Note: uninitialized shards]
-            self.gathered[id(buf)] = gathered
+            self.gathered[id(buf)], views = gathered_views(buf, before_eager_gather)
             wholes.update({(id(buf), name): view for name, view in views.items()})
         return wholes
 
@@ -152,12 +146,13 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return None
     call = _UnitCall(unit)
     wholes = call.gather()
-    trainable = [(sub, attr, buf, name) for sub, attr, buf, name in unit.entries
-                 if torch.is_grad_enabled() and buf.params[name].requires_grad]
-    keys = tuple(dict.fromkeys((id(buf), name) for _, _, buf, name in trainable))
-    if keys:
-        params = [next(b for b in unit.buckets if id(b) == k[0]).params[k[1]] for k in keys]
-        outs = _WholeParameters.apply(call, keys, tuple(wholes[k] for k in keys), *params)
+    trainable = {}  # (bucket id, name) → the sharded parameter, once each (a shared one has several entries)
+    if torch.is_grad_enabled():
+        trainable = {(id(buf), name): buf.params[name] for _, _, buf, name in unit.entries
+                     if buf.params[name].requires_grad}
+    if trainable:
+        keys = tuple(trainable)
+        outs = _WholeParameters.apply(call, keys, tuple(wholes[k] for k in keys), *trainable.values())
         wholes.update(zip(keys, outs))
     for sub, attr, buf, name in unit.entries:
         sub._parameters[attr] = wholes[(id(buf), name)]
