@@ -121,8 +121,17 @@ def _eager_training(rank: int, world: int) -> None:
     lm_loss(model(tokens), tokens).backward()
     assert held == [[0] * len(later_blocks)], f"unreduced bytes of later blocks when backward reached block 0: {held}"
     _check_units_run_without_dispatch(model, tokens)
+    _check_root_kept_for_backward(model, tokens)
     for per_op in (False, True):
         _experts_complete_on_one_rank(rank, world, per_op)
+
+    # a whole model given to one fully_shard, a bucket per module unit: each bucket's innermost module is a unit
+    ref = init_std(Llama(LlamaConfig(layers=2)))
+    model = copy.deepcopy(ref)
+    fsdp_pass.fully_shard(model, min_bucket_bytes=0)
+    assert len(buffers_of(model)) == 4  # the embedding (the model's unit: the head shares it), 2 blocks, the norm
+    _train_side_by_side(rank, world, model, ref, steps=2)
+    _check_units_run_without_dispatch(model, tokens)
 
     # units under activation checkpointing: the recompute inside backward keeps what it gathered
     for reentrant in (False, True):
@@ -147,6 +156,25 @@ def _check_units_run_without_dispatch(model: nn.Module, tokens: torch.Tensor) ->
         with pytest.raises(RuntimeError, match="inside the unit"):
             model(tokens)
     assert all(isinstance(p, RaggedShardTensor) for p in model.parameters())
+
+
+def _check_root_kept_for_backward(model: nn.Module, tokens: torch.Tensor) -> None:
+    """FSDP2's recipe: each unit gathers once in forward; the blocks again before their backward, the root not (its
+    forward ends the model's and its bucket is the first the backward reads)."""
+    from fsdp_pass.eager import units
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(name, gather):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return gather(*args, **kwargs)
+        return call
+
+    with (patch.object(units, "gathered_views", counted("forward", units.gathered_views)),
+          patch.object(units, "gather_in_backward", counted("backward", units.gather_in_backward))):
+        lm_loss(model(tokens), tokens).backward()
+    assert counts == {"forward": len(model.layers) + 1, "backward": len(model.layers)}, counts
 
 
 class _RoutedModel(nn.Module):

@@ -281,3 +281,21 @@ def test_the_mesh_made_without_one_is_on_the_current_accelerator_whatever_the_ba
     with fake_process_group(4):
         mesh_roles.resolve_mesh(None)
     assert asked == [accelerator or "cpu"]
+
+
+def test_a_fully_shard_call_without_numbered_children_is_one_bucket() -> None:
+    """FSDP2's recipe groups each block, and the root's embedding, norm and head, once each ([Note: a fully_shard
+    call is one unit]); a whole model given to one call keeps a bucket per module unit."""
+    from fsdp_pass.buckets.dbuffer import buffers_of
+
+    cfg = LlamaConfig(layers=2, tie_embeddings=False)
+    recipe = Llama(cfg)
+    for block in recipe.layers:
+        fully_shard(block, min_bucket_bytes=0)  # by module: a bucket per projection and norm
+    fully_shard(recipe, min_bucket_bytes=0)
+    assert [len(buffers_of(block)) for block in recipe.layers] == [1, 1]
+    assert len(buffers_of(recipe)) == 2 + 1
+    whole = fully_shard(Llama(cfg), min_bucket_bytes=0)
+    assert [b.names for b in buffers_of(whole)] == [
+        ["tok_embeddings.weight"], *[[n for n, _ in whole.named_parameters() if n.startswith(f"layers.{i}.")]
+                                     for i in range(2)], ["norm.weight"], ["output.weight"]]

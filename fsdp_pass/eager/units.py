@@ -6,6 +6,8 @@ eager/calls.py): every op on a RaggedShard parameter goes through ``__torch_disp
 parameter's gradient through a tensor hook. A module given to :func:`fsdp_pass.fully_shard` (a *unit*:
 FSDP2's parameter group) does better when it is called eagerly, as FSDP2's hooks do it, on DBuffers:
 
+* each bucket of the call belongs to the innermost submodule whose subtree holds all its parameters (the
+  call's module, or a block of a whole model given to one ``fully_shard``); that submodule is the unit;
 * before its forward (a forward pre-hook), each of the unit's own buckets is all-gathered, once, and its
   parameters' entries in their modules' ``_parameters`` become the whole tensors, views of the gathered
   buffer: the unit's ops run on plain tensors, with no dispatch. The trainable ones come out of one
@@ -13,7 +15,10 @@ FSDP2's parameter group) does better when it is called eagerly, as FSDP2's hooks
 * after its forward (a forward hook) the sharded parameters go back, and with ``reshard_after_forward``
   the gathered buffer's storage is freed. What autograd saved of the whole tensors (views of that buffer)
   is filled again before the unit's backward: the unit's outputs pass through :class:`_BeforeBackward`,
-  whose backward gathers the buckets again into the same storage;
+  whose backward gathers the buckets again into the same storage. A root's outermost call (a unit whose
+  module holds other buckets, its blocks) keeps them: its forward ends the model's and the backward reads
+  them first, as FSDP2 keeps its root's (``reshard_after_forward=None``) and a compiled graph its last
+  bucket (``reshard_last_bucket`` in docs/options.md);
 * the unit's backward hands :class:`_WholeParameters` every whole gradient at once; they join the bucket's
   unreduced sum as an eager call's gradients do (``DBuffer.add_pending``: freezing, ``no_sync``, the
   early reduction agreed by every rank, [Note: an eager bucket's gradient is reduced once every rank has
@@ -26,9 +31,8 @@ experts inside a unit. Inside a compiled graph the hooks do nothing: the graph g
 (compile/passes/rewrite.py). The op-by-op path stays for parameters used outside their unit's forward
 (a weight tied to another unit, a submodule called on its own), for a unit whose parameters a compiled
 submodule holds (``block.mlp.compile()``: that graph reads them sharded), for units whose parameters are
-tensor/expert-parallel DTensors, and for units whose parameters fill several buckets: a whole model given
-to one ``fully_shard`` is bucketed by its blocks, and the op-by-op path gathers one of those buckets at a
-time, where a unit would gather them all at its entry.
+tensor/expert-parallel DTensors, and for buckets whose modules no one calls as a whole (blocks merged into one
+bucket under a ``ModuleList``).
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..buckets.dbuffer import DBuffer, before_eager_gather, gather_in_backward
+from ..buckets.dbuffer import DBuffer, before_eager_gather, buffers_of, gather_in_backward
 from ..buckets.whole_values import gathered_views
 
 __all__ = ["register_unit"]
 
 _UNIT_ATTR = "_fsdp_pass_unit"  # a unit module's _Unit, in its __dict__
+_running: list[_UnitCall] = []  # the unit forwards running now, outermost first
 
 
 class _Unit:
@@ -59,6 +64,8 @@ class _Unit:
             (sub, attr, *own[id(p)]) for sub in module.modules() for attr, p in sub._parameters.items()
             if p is not None and id(p) in own]
         self.calls: list[_UnitCall] = []  # forwards running now (a unit may call itself)
+        # a root: its module holds other buckets (blocks sharded before it), so its forward ends the model's
+        self.encloses_buckets = len(buffers_of(module)) > len(buckets)
 
 
 class _UnitCall:
@@ -68,6 +75,8 @@ class _UnitCall:
         self.unit = unit
         self.gathered: dict[int, torch.Tensor] = {}  # id(bucket) → its gathered global buffer (m·S)
         self.freed = False  # the buffers' storage was freed after forward
+        # kept after forward: the outermost unit call of a root, whose buckets the backward reads first
+        self.keeps = unit.encloses_buckets and not _running
 
     def gather(self) -> dict[tuple[int, str], torch.Tensor]:
         """Gather every bucket of the unit; every parameter's whole tensor, by ``(bucket id, name)``."""
@@ -78,6 +87,8 @@ class _UnitCall:
         return wholes
 
     def free(self) -> None:
+        if self.keeps:
+            return
         for buf in self.unit.buckets:
             if buf.reshard_after_forward is not False:
                 self.gathered[id(buf)].untyped_storage().resize_(0)
@@ -157,6 +168,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     for sub, attr, buf, name in unit.entries:
         sub._parameters[attr] = wholes[(id(buf), name)]
     unit.calls.append(call)
+    _running.append(call)
     return None
 
 
@@ -179,6 +191,7 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
     if unit is None or not unit.calls:
         return None
     call = unit.calls.pop()
+    _running.remove(call)
     for sub, attr, buf, name in unit.entries:
         sub._parameters[attr] = buf.params[name]
     if output is None or not torch.is_grad_enabled():  # None also when the forward raised (always_call)
@@ -196,11 +209,45 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
 
 
 def register_unit(module: nn.Module, buckets: list[DBuffer]) -> None:
-    """Make ``module`` a unit over its own ``buckets`` ([Note: eager module units]). A unit whose parameters are
-    tensor/expert-parallel DTensors, or fill several buckets, keeps the op-by-op path."""
-    if len(buckets) != 1 or buckets[0].dtensor_specs:
-        return
-    module.__dict__[_UNIT_ATTR] = _Unit(module, buckets)
-    module.register_forward_pre_hook(_before_forward, with_kwargs=True)
-    module.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)  # the shards go back even if
-    # the forward raises
+    """Make units of ``module``'s new ``buckets`` ([Note: eager module units]): each bucket belongs to the
+    innermost submodule of ``module`` whose subtree holds all its parameters (:func:`_owner`), and each such
+    owner becomes a unit over its buckets. Buckets of tensor/expert-parallel DTensors keep the op-by-op path,
+    and so does an owner that is a unit already, or a container (``ModuleList``, ``ModuleDict``) no one calls."""
+    by_owner: dict[int, tuple[nn.Module, list[DBuffer]]] = {}
+    holders = _holders(module)
+    for buf in buckets:
+        if buf.dtensor_specs:
+            continue
+        owner = _owner(module, [holders[id(p)] for p in buf.params.values()])
+        by_owner.setdefault(id(owner), (owner, []))[1].append(buf)
+    for owner, owned in by_owner.values():
+        if _UNIT_ATTR in owner.__dict__ or isinstance(owner, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        owner.__dict__[_UNIT_ATTR] = _Unit(owner, owned)
+        owner.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        owner.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)  # the shards go back even
+        # if the forward raises
+
+
+def _holders(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) → the qualified names of the modules under ``module`` holding it (several when shared)."""
+    held: dict[int, list[str]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for p in sub._parameters.values():
+            if p is not None:
+                held.setdefault(id(p), []).append(path)
+    return held
+
+
+def _owner(module: nn.Module, holders: list[list[str]]) -> nn.Module:
+    """The innermost submodule of ``module`` whose subtree contains every module in ``holders``: a call of it
+    is where every use of those parameters by their modules happens (the whole model gives a bucket per block
+    its block; the norm and head of a root the root)."""
+    paths = [path.split(".") if path else [] for names in holders for path in names]
+    common = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    return module.get_submodule(".".join(common))

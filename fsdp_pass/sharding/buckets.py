@@ -21,7 +21,7 @@ from ..tensor.ragged_tensor import RaggedShardTensor, ragged_part
 from .mesh_roles import ParallelMesh
 
 __all__ = ["BucketPlan", "ShardingConfig", "check_one_device", "default_min_bucket_bytes", "min_bucket_bytes_for",
-           "plan_parameter_buckets", "unit_key"]
+           "numbered_unit", "plan_parameter_buckets", "unit_key"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,15 @@ class ShardingConfig:
         param_dtype: dtype parameters are gathered in (affects alignment in elements).
         min_bucket_bytes: neighbouring units are grouped into buckets of at least this many bytes (None: the cost
             model of :func:`default_min_bucket_bytes`; 0: one bucket per unit).
+        one_unit: the parameters are one unit, not a unit per module (:func:`unit_key`): FSDP2's group of one
+            ``fully_shard`` call that holds no numbered child ([Note: a fully_shard call is one unit]).
     """
 
     bucket_numel: int | None = None
     align_bytes: int = 16
     param_dtype: torch.dtype | None = None
     min_bucket_bytes: int | None = None
+    one_unit: bool = False
 
 
 @dataclass
@@ -85,10 +88,14 @@ def unit_key(name: str) -> str:
     ``tok_embeddings``; a parameter of the root module is a unit of its own. Small units are
     merged with their neighbours by size (:func:`plan_parameter_buckets`).
     """
+    numbered = numbered_unit(name)
+    return numbered if numbered is not None else name.rsplit(".", 1)[0]
+
+
+def numbered_unit(name: str) -> str | None:
+    """``name`` up to its first numeric index (``layers.3.attn.wq.weight`` → ``layers.3``), None without one."""
     m = re.match(r"^((?:.*?\.)?\d+)(\.|$)", name)
-    if m:
-        return m.group(1)
-    return name.rsplit(".", 1)[0]
+    return m.group(1) if m else None
 
 
 def check_one_device(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -128,8 +135,8 @@ def plan_parameter_buckets(
 ) -> list[BucketPlan]:
     """Bucket plans for parameters not sharded yet, given in first-use order (each object once).
 
-    Units (:func:`unit_key`) in first-use order; within a unit, one group per (dtype, trainable,
-    sharding mesh); groups under ``config.min_bucket_bytes`` merge with their neighbours; then the
+    Units (:func:`unit_key`, or one for all with ``config.one_unit``) in first-use order; within a unit, one
+    group per (dtype, trainable, sharding mesh); groups under ``config.min_bucket_bytes`` merge with their neighbours; then the
     planner lays out each group (split at ``config.bucket_numel``). Parameters in ``fp8_tiles``
     (gathered in FP8) form groups of their own ([Note: FP8 all-gather] in buckets/gather.py).
     """
@@ -137,7 +144,8 @@ def plan_parameter_buckets(
     check_one_device(todo)
     units: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, p in todo:
-        key = (unit_key(name), p.dtype, p.requires_grad, mesh.for_parameter(name, p), fp8_tiles.get(name))
+        unit = "" if config.one_unit else unit_key(name)
+        key = (unit, p.dtype, p.requires_grad, mesh.for_parameter(name, p), fp8_tiles.get(name))
         units.setdefault(key, []).append((name, p))
     min_bytes = config.min_bucket_bytes
     if min_bytes is None:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .blocks import block_size
 from ..options import Fp8Options, check_mp_dtype, check_reshard_after_forward, mp_policy_casts, mp_policy_dtypes
-from .buckets import ShardingConfig, check_one_device
+from .buckets import ShardingConfig, check_one_device, numbered_unit
 from .fp8_select import plan_fp8
 from .forward_casts import register_forward_casts
 from .fsdp_module import FSDPPassModule, swap_to_fsdp_class
@@ -23,6 +23,7 @@ from ..buckets.mesh import check_reshard_group_size
 from ..buckets.uninitialized import check_meta_buffers_before_forward
 from ..buckets.gradient_sync import apply_to_buckets
 from ..interop.module_apply import keep_shards_on_apply
+from ..tensor.ragged_tensor import is_sharded
 from ..eager.units import register_unit
 
 __all__ = ["fully_shard"]
@@ -51,7 +52,8 @@ def fully_shard(
     """Shard every parameter of ``module`` in place into RaggedShard parameters backed by DBuffers.
 
     Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
-    elements). Parameter objects keep their identity, so optimizers built earlier keep working;
+    elements); a module with no numbered child (a block, or a root whose blocks were sharded first) is
+    one unit, as FSDP2 groups it ([Note: a fully_shard call is one unit]). Parameter objects keep their identity, so optimizers built earlier keep working;
     buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
     Calling it again is a no-op.
 
@@ -143,8 +145,10 @@ def fully_shard(
     meta = MetaInit(module, meta_ids, torch.device(sharding_mesh.device_type), replay=init == "replay")
     meta.prepare_buffers()
     try:
-        new = shard_with_blocks(named, sharding_mesh, ShardingConfig(bucket_size, align_bytes, param_dtype,
-                                                                     min_bucket_bytes), blocks, fp8)
+        # [Note: a fully_shard call is one unit]
+        one_unit = all(numbered_unit(name) is None for name, p in named if not is_sharded(p))
+        config = ShardingConfig(bucket_size, align_bytes, param_dtype, min_bucket_bytes, one_unit)
+        new = shard_with_blocks(named, sharding_mesh, config, blocks, fp8)
     except BaseException:
         meta.restore_buffers()
         raise
@@ -161,6 +165,18 @@ def fully_shard(
     swap_to_fsdp_class(module)  # [Note: FSDP2's module class on a fully_shard-ed module]
     module.__dict__["_fsdp_pass_auto_reshard"] = auto_reshard  # reshard_after_forward=None, root so far
     return module
+
+
+# [Note: a fully_shard call is one unit]
+# The planner buckets a model by its units: a numbered child (``layers.3``) or else each module holding
+# parameters, small ones merged up to the bucket cost model's size (sharding/buckets.py). For a whole model
+# that gives a bucket per block, which the compiled graph overlaps. A ``fully_shard`` call on a module with no
+# numbered child is FSDP2's recipe instead: a block (``fully_shard(block)``), or the root after its blocks
+# (embedding, norm and head). There the user asked for one group, and the call's parameters are one unit, so
+# they are gathered and reduced once each: per module they would be several buckets (a block's attention and
+# feed-forward apart), each a collective of its own, which on gloo costs about 1.3 ms of latency apiece. The
+# planner may still split the unit where mixed block sizes would pad it; the eager unit then gathers every
+# bucket at entry ([Note: eager module units] in eager/units.py).
 
 
 def _enclose_auto_reshard(module: nn.Module) -> None:
