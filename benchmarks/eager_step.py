@@ -6,7 +6,7 @@ Two parts, each round robin in the same two pinned gloo ranks ([Note: round robi
 * ``llama`` (step_time.py's llama: vocab 4096, dim 256, 4 blocks, AdamW):
   ``fsdp2``              FSDP2 ``fully_shard`` on every block, then the root, eager;
   ``fsdp_pass_eager``    ``fsdp_pass.fully_shard(model)`` (defaults), trained without ``torch.compile``:
-                         every op on a sharded parameter runs through the eager path;
+                         a bucket per block, each bucket's module a unit;
   ``fsdp_pass_eager_blocks`` FSDP2's recipe with fsdp_pass: ``fully_shard`` per block + root, eager: each block
                          a unit ([Note: eager module units] in fsdp_pass/eager/units.py);
   ``fsdp2_compile``      FSDP2's regional recipe: ``fully_shard`` per block + root, each block ``.compile()``d;
@@ -15,7 +15,7 @@ Two parts, each round robin in the same two pinned gloo ranks ([Note: round robi
 * ``blocks`` (64 small llama blocks: dim 32, 2 heads, FFN 64, 16 tokens x 2 sequences a rank), where the
   compute is small and what each block costs beyond it shows: ``single_eager`` (the model itself, no
   sharding, no communication: the floor), ``fsdp2``, ``fsdp_pass_eager`` and ``fsdp_pass_eager_units``
-  (``min_bucket_bytes=0``: a bucket per module unit, as FSDP2 groups them) and ``fsdp_pass_eager_blocks``
+  (``min_bucket_bytes=0``: a bucket per block, each a unit) and ``fsdp_pass_eager_blocks``
   (``fully_shard`` per block + root, FSDP2's recipe: each block a unit).
   Overhead per block = (forward + backward time - the floor's) / blocks, per round (each the fastest step of
   its round, timed on its slowest rank): everything sharding adds per block call (hooks, dispatch, copies,

@@ -134,9 +134,9 @@ def _eager_training(rank: int, world: int) -> None:
     _check_units_run_without_dispatch(model, tokens)
 
     # units under activation checkpointing: the recompute inside backward keeps what it gathered
-    for reentrant in (False, True):
+    for reentrant, selective in ((False, False), (True, False), (False, True)):
         ref = init_std(Llama(LlamaConfig(layers=2)))
-        ref.layers = nn.ModuleList(Checkpointed(block, reentrant) for block in ref.layers)
+        ref.layers = nn.ModuleList(Checkpointed(block, reentrant, selective) for block in ref.layers)
         model = copy.deepcopy(ref)
         for checkpointed in model.layers:
             fsdp_pass.fully_shard(checkpointed.module)

@@ -7,7 +7,9 @@ parameter's gradient through a tensor hook. A module given to :func:`fsdp_pass.f
 FSDP2's parameter group) does better when it is called eagerly, as FSDP2's hooks do it, on DBuffers:
 
 * each bucket of the call belongs to the innermost submodule whose subtree holds all its parameters (the
-  call's module, or a block of a whole model given to one ``fully_shard``); that submodule is the unit;
+  call's module, or a block of a whole model given to one ``fully_shard``), raised through wrappers that hold
+  nothing more (an activation-checkpoint wrapper); that submodule is the unit. A wrapper's unit gathers
+  outside the checkpointed call, whose recompute in backward then runs on the sharded parameters op by op;
 * before its forward (a forward pre-hook), each of the unit's own buckets is all-gathered, once, and its
   parameters' entries in their modules' ``_parameters`` become the whole tensors, views of the gathered
   buffer: the unit's ops run on plain tensors, with no dispatch. The trainable ones come out of one
@@ -80,9 +82,12 @@ class _UnitCall:
 
     def gather(self) -> dict[tuple[int, str], torch.Tensor]:
         """Gather every bucket of the unit; every parameter's whole tensor, by ``(bucket id, name)``."""
+        # A forward recomputed inside backward (activation checkpointing) runs the forward's ops and no more: no
+        # agreement (selective checkpointing refuses an op its forward did not run, such as the flags' tensor)
+        before = before_eager_gather if torch._C._current_graph_task_id() == -1 else _no_agreement
         wholes = {}
         for buf in self.unit.buckets:
-            self.gathered[id(buf)], views = gathered_views(buf, before_eager_gather)
+            self.gathered[id(buf)], views = gathered_views(buf, before)
             wholes.update({(id(buf), name): view for name, view in views.items()})
         return wholes
 
@@ -107,6 +112,10 @@ class _UnitCall:
             target.untyped_storage().resize_(target.numel() * target.element_size())
             with torch.autograd._unsafe_preserve_version_counter(target):  # saved views of it stay valid
                 gather_in_backward(buf, target)
+
+
+def _no_agreement(buf: DBuffer) -> None:
+    """What a recomputed forward's gather runs first: nothing (the ranks recompute alike, so none agrees there)."""
 
 
 class _WholeParameters(torch.autograd.Function):
@@ -240,9 +249,11 @@ def _holders(module: nn.Module) -> dict[int, list[str]]:
 
 
 def _owner(module: nn.Module, holders: list[list[str]]) -> nn.Module:
-    """The innermost submodule of ``module`` whose subtree contains every module in ``holders``: a call of it
-    is where every use of those parameters by their modules happens (the whole model gives a bucket per block
-    its block; the norm and head of a root the root)."""
+    """The submodule of ``module`` whose calls are a unit for parameters held by ``holders``: the innermost one
+    whose subtree contains every holder (the whole model gives a bucket per block its block; the norm and head of
+    a root the root), raised through wrappers that hold nothing else (an activation-checkpoint wrapper, which
+    ``block.compile()`` then compiles: hooks on a module inside a compiled one would be guarded per block, a
+    graph each)."""
     paths = [path.split(".") if path else [] for names in holders for path in names]
     common = paths[0]
     for path in paths[1:]:
@@ -250,4 +261,11 @@ def _owner(module: nn.Module, holders: list[list[str]]) -> nn.Module:
         while n < min(len(common), len(path)) and common[n] == path[n]:
             n += 1
         common = common[:n]
-    return module.get_submodule(".".join(common))
+    owner = module.get_submodule(".".join(common))
+    own = {id(p) for p in owner.parameters()}
+    while common:
+        parent = module.get_submodule(".".join(common[:-1]))
+        if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or {id(p) for p in parent.parameters()} != own:
+            break  # a container no one calls, or a module holding more
+        common, owner = common[:-1], parent
+    return owner

@@ -8,6 +8,8 @@ compiles without breaks, at ``experts / top_k`` times the FLOPs of a sparse MoE.
 
 from __future__ import annotations
 
+import functools
+
 import io
 import logging
 import math
@@ -256,16 +258,23 @@ class StackedMoE(nn.Module):
 class Checkpointed(nn.Module):
     """``module`` under activation checkpointing (``torch.utils.checkpoint``), recomputed whole in backward
     (early stop off: the recompute runs to the module's end, as a module with a side effect after its last
-    saved tensor does)."""
+    saved tensor does). ``selective``: torchtitan's selective checkpointing, the matrix products saved, the
+    rest recomputed (non-reentrant only), which refuses a recompute that runs an op the forward did not."""
 
-    def __init__(self, module: nn.Module, reentrant: bool = False) -> None:
+    def __init__(self, module: nn.Module, reentrant: bool = False, selective: bool = False) -> None:
         super().__init__()
         self.module = module
         self.reentrant = reentrant
+        self.selective = selective
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs = {}
+        if self.selective:
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=self.reentrant)
+            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=self.reentrant, **kwargs)
 
 
 # -- models whose forward Dynamo cannot trace whole ([Note: parameters no graph reads]) -----------
