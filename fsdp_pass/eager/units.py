@@ -219,9 +219,10 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
 
 def register_unit(module: nn.Module, buckets: list[DBuffer]) -> None:
     """Make units of ``module``'s new ``buckets`` ([Note: eager module units]): each bucket belongs to the
-    innermost submodule of ``module`` whose subtree holds all its parameters (:func:`_owner`), and each such
-    owner becomes a unit over its buckets. Buckets of tensor/expert-parallel DTensors keep the op-by-op path,
-    and so does an owner that is a unit already, or a container (``ModuleList``, ``ModuleDict``) no one calls."""
+    innermost submodule of ``module`` whose subtree holds all its parameters, raised through wrappers holding
+    nothing more (:func:`_owner`), and each such owner becomes a unit over its buckets. Buckets of
+    tensor/expert-parallel DTensors keep the op-by-op path, and so does an owner that is a unit already, or a
+    container (``ModuleList``, ``ModuleDict``) no one calls."""
     by_owner: dict[int, tuple[nn.Module, list[DBuffer]]] = {}
     holders = _holders(module)
     for buf in buckets:

@@ -136,8 +136,8 @@ def plan_parameter_buckets(
     """Bucket plans for parameters not sharded yet, given in first-use order (each object once).
 
     Units (:func:`unit_key`, or one for all with ``config.one_unit``) in first-use order; within a unit, one
-    group per (dtype, trainable, sharding mesh); groups under ``config.min_bucket_bytes`` merge with their neighbours; then the
-    planner lays out each group (split at ``config.bucket_numel``). Parameters in ``fp8_tiles``
+    group per (dtype, trainable, sharding mesh); groups under ``config.min_bucket_bytes`` merge with their
+    neighbours; then the planner lays out each group (split at ``config.bucket_numel``). Parameters in ``fp8_tiles``
     (gathered in FP8) form groups of their own ([Note: FP8 all-gather] in buckets/gather.py).
     """
     fp8_tiles = fp8_tiles or {}

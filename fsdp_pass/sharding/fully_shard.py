@@ -53,8 +53,9 @@ def fully_shard(
 
     Buckets follow module order (one per unit such as ``layers.3``, at most ``bucket_size``
     elements); a module with no numbered child (a block, or a root whose blocks were sharded first) is
-    one unit, as FSDP2 groups it ([Note: a fully_shard call is one unit]). Parameter objects keep their identity, so optimizers built earlier keep working;
-    buffers stay replicated; frozen parameters are sharded into buckets that collect no gradient.
+    one unit, as FSDP2 groups it ([Note: a fully_shard call is one unit]). Parameter objects keep their
+    identity, so optimizers built earlier keep working; buffers stay replicated; frozen parameters are
+    sharded into buckets that collect no gradient.
     Calling it again is a no-op.
 
     A model built under ``torch.device("meta")`` gets only its local shards allocated, and its

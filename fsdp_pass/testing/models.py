@@ -9,7 +9,6 @@ compiles without breaks, at ``experts / top_k`` times the FLOPs of a sparse MoE.
 from __future__ import annotations
 
 import functools
-
 import io
 import logging
 import math
@@ -268,11 +267,10 @@ class Checkpointed(nn.Module):
         self.selective = selective
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         kwargs = {}
         if self.selective:
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+            kwargs["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                                     [torch.ops.aten.mm.default])
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=self.reentrant, **kwargs)
 
