@@ -124,6 +124,7 @@ def _eager_training(rank: int, world: int) -> None:
     _check_root_kept_for_backward(model, tokens)
     for per_op in (False, True):
         _experts_complete_on_one_rank(rank, world, per_op)
+    _experts_reached_on_one_rank(rank, world)
 
     # a whole model given to one fully_shard, a bucket per module unit: each bucket's innermost module is a unit
     ref = init_std(Llama(LlamaConfig(layers=2)))
@@ -210,6 +211,37 @@ def _experts_complete_on_one_rank(rank: int, world: int, per_op: bool) -> None:
     model(x[2 * rank:2 * rank + 2], active[rank]).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert _rel(p.grad.full_tensor(), q.grad) <= TOLERANCE, name
+
+
+def _experts_reached_on_one_rank(rank: int, world: int) -> None:
+    """Rank 0's tokens reach an expert, the others' reach none: only rank 0 holds a gradient sum for the experts'
+    bucket, and every rank must still reduce it, at the same point ([Note: an eager bucket's gradient is reduced
+    once every rank has it]): at the backward's end, at the next synced backward after ``no_sync`` micro-batches
+    (one that reaches no expert on any rank), and in ``reduce_gradients``. The experts no rank reached keep
+    ``.grad`` None, as one process's do."""
+    from fsdp_pass.sharding import fully_shard as sharding
+
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(2))
+    micro_batches = [x[:2 * world], x[2 * world:]]
+    one_rank = [(True, False, False)] + [(False, False, False)] * (world - 1)
+    none = [(False, False, False)] * world
+    # (per micro-batch: each rank's experts, and whether it syncs); a last unsynced one ends with reduce_gradients
+    loops = [[(one_rank, True)], [(one_rank, False), (none, True)], [(one_rank, False), (one_rank, False)]]
+    for loop in loops:
+        torch.manual_seed(0)
+        ref = _RoutedModel()
+        model = copy.deepcopy(ref)
+        fsdp_pass.fully_shard(model.moe)
+        fsdp_pass.fully_shard(model)
+        for xs, (active, sync) in zip(micro_batches, loop):
+            sum(ref(xs[2 * r:2 * r + 2], active[r]).square().mean() for r in range(world)).div(world).backward()
+            with contextlib.nullcontext() if sync else fsdp_pass.no_sync(model):
+                model(xs[2 * rank:2 * rank + 2], active[rank]).square().mean().backward()
+        if not loop[-1][1]:
+            fsdp_pass.reduce_gradients(model)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (loop, name)
+            assert q.grad is None or _rel(p.grad.full_tensor(), q.grad) <= TOLERANCE, (loop, name)
 
 
 def test_eager_forward_backward_and_step_match_one_process():

@@ -100,7 +100,7 @@ Events:
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Collection, Iterable, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -119,7 +119,7 @@ from .whole_values import whole_views
 
 _c10d = torch.ops._c10d_functional
 
-__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "is_unsharded", "mark_unsharded", "note_reached", "pending_leaf", "queue_flush_all"]
+__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "flush_agreed", "is_unsharded", "mark_unsharded", "note_reached", "note_eager_backward", "pending_leaf", "queue_flush_all"]
 
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 
@@ -209,6 +209,9 @@ class DBuffer:
         # ([Note: eager calls on sharded parameters] in eager/calls.py): when none is left the bucket is reduced;
         # None before the backward's first eager gradient
         self._eager_awaited: set[str] | None = None
+        # listed among the buckets whose eager sums the ranks agree on ([Note: an eager bucket's gradient is
+        # reduced once every rank has it])
+        self.eager_candidate = False
         # [Note: the last reduce-scatter overlaps the optimizer step] in step/deferred_reduce.py
         # (kept here, driven by step/deferred_reduce.py)
         self.deferred: torch.Tensor | None = None  # leaf whose .grad is this step's unreduced gradient (m·S)
@@ -450,6 +453,7 @@ class DBuffer:
         if self._eager_awaited is None:  # this backward's first eager gradient
             self._eager_awaited = set(self.trainable_names)
             at_end_of_backward(weakref.ref(self), _end_eager_backward)
+            note_eager_backward()
         self._eager_awaited.difference_update(wholes)  # [Note: an eager bucket's gradient is reduced once every
         # rank has it]
 
@@ -523,23 +527,32 @@ class DBuffer:
             self.pending_names.discard(name)
 
     @torch.no_grad()
-    def flush_pending(self, reached_everywhere: bool = False) -> None:
+    def flush_pending(self, agreed: Collection[str] | None = None) -> None:
         """Reduce-scatter the accumulated gradient once, add it into the gradient shard, free it.
-        ``reached_everywhere``: every rank reached every parameter of the bucket, so there is nothing to agree."""
-        pending, config = self._pending, self._pending_config
-        if pending is None or pending.grad is None or not self.gradient_sync:
+        ``agreed``: every rank flushes the bucket now, as the ranks agreed, and these are the parameters reached
+        on some rank; a rank holding no sum then reduces zeros ([Note: an eager bucket's gradient is reduced once
+        every rank has it]), and nothing more is agreed."""
+        if not self.gradient_sync:
             return
-        self._settle_pending_views()
-        self._pending = self._pending_config = self._pending_views_version = None
-        self._pending_in_graph = False
-        self.reached |= self.pending_names
-        self.pending_names = set()
-        grad = pending.grad
-        pending.grad = None
-        del pending
-        self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype), reached_everywhere)
+        pending, config = self._pending, self._pending_config
+        if pending is not None and pending.grad is not None:
+            self._settle_pending_views()
+            self._pending = self._pending_config = self._pending_views_version = None
+            self._pending_in_graph = False
+            self.reached |= self.pending_names
+            self.pending_names = set()
+            grad = pending.grad
+            pending.grad = None
+            del pending
+        elif agreed is not None:  # another rank's sum: this rank's part of the reduce-scatter adds nothing
+            config = config or self.config(self.param_dtype, self.reduce_dtype)
+            grad = torch.zeros(self.shard.numel() * config.shard_world, dtype=config.reduce_dtype,
+                               device=self.shard.device)
+        else:
+            return
+        self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype), agreed)
 
-    def add_reduced(self, reduce: Callable[[], torch.Tensor], reached_everywhere: bool = False) -> None:
+    def add_reduced(self, reduce: Callable[[], torch.Tensor], agreed: Collection[str] | None = None) -> None:
         """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
         none) and attach it, as :meth:`attach_reduced` does."""
         def added() -> torch.Tensor:
@@ -547,16 +560,16 @@ class DBuffer:
             shard_grad = self.gradient_buffer()
             return reduced if shard_grad is None else shard_grad.add_(reduced)
 
-        self.attach_reduced(added, reached_everywhere)
+        self.attach_reduced(added, agreed)
 
-    def attach_reduced(self, reduce: Callable[[], torch.Tensor], reached_everywhere: bool = False) -> None:
+    def attach_reduced(self, reduce: Callable[[], torch.Tensor], agreed: Collection[str] | None = None) -> None:
         """Attach the gradient shard ``reduce()`` returns, the reduction over every data-parallel rank of what
         was reached: first :attr:`reached` is agreed over those ranks (before ``reduce`` issues its
         collective), then the parameters reached on any rank get views ([Note: the gradient state of a
-        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`. With
-        ``reached_everywhere`` (every rank reached every parameter, agreed already) there is nothing to agree."""
-        if reached_everywhere:
-            self.reached.update(self.names)
+        parameter]). Inside a backward, the caller also calls :func:`queue_flush_all`. ``agreed``: the
+        parameters reached on some rank, agreed already (nothing more to agree)."""
+        if agreed is not None:
+            self.reached.update(agreed)
         else:
             self.agree_reached()
         self.attach_grads(reduce())
@@ -689,7 +702,6 @@ def pending_leaf(buf: DBuffer, config: GatherConfig) -> torch.Tensor:
 # (the same on every rank), process-wide like the backward that flushes them. Held strongly until flushed:
 # which collectives a flush issues must not depend on when each rank's garbage collector frees a model.
 _with_pending: list[DBuffer] = []
-_flush_all_queued = False  # a flush of every pending sum is queued for the end of the running backward
 
 
 def _end_eager_backward(buf: DBuffer) -> None:
@@ -699,34 +711,50 @@ def _end_eager_backward(buf: DBuffer) -> None:
 # [Note: an eager bucket's gradient is reduced once every rank has it]
 # An eager backward reduce-scatters a bucket's gradient sum before the backward ends once every trainable
 # parameter's gradient is in, so that it holds about one unsharded bucket gradient at a time, as FSDP2's does.
-# Whether a bucket is complete is a rank's own fact: an MoE rank whose tokens reach every expert completes the
-# experts' bucket, a rank whose tokens skip one does not until the backward ends. A rank that reduced as soon as
-# its own bucket was complete would pair that reduce-scatter with another rank's next collective (a hang on NCCL,
-# a wrong sum or a crash on gloo). So the early reduction happens only where every rank agrees, at points every
-# rank reaches in the same order: just before each all-gather an eager backward issues (collectives, matched
-# across ranks like every eager call), one all-reduce of two bytes per candidate bucket over the gathering
-# bucket's data-parallel groups says which are complete on every rank, and those are reduced, in the order of the
-# forward's gathers. The second byte says whether every rank reached every parameter of the bucket (no frozen
-# one, no expert left out of an earlier micro-batch): then the flush's own agreement on what was reached
-# (:meth:`DBuffer.agree_reached`, one more all-reduce) has nothing to agree. A unit's gather before its backward
-# ([Note: eager module units] in eager/units.py) carries the flags itself, where the bucket's ranks are one group:
-# each rank sends them after its shard (:func:`gather_in_backward`), so the agreement costs no collective. The
-# candidates are the trainable buckets the forward gathered eagerly (gathers too, so the same list on every rank)
-# on the same groups; the list empties at the end of a backward that gathered. A candidate freed meanwhile keeps
-# its place, as not complete: when each rank's garbage collector frees a model must not change what the ranks
-# send. What is not complete everywhere is reduced at the backward's end, as every pending
-# sum is (:func:`queue_flush_all`).
+# Whether a bucket is complete, or has any gradient at all, is a rank's own fact: an MoE rank whose tokens reach
+# every expert completes the experts' bucket, a rank whose tokens skip one does not until the backward ends, and a
+# rank whose tokens skip them all has no sum to reduce. A rank that reduced on its own facts would pair that
+# reduce-scatter with another rank's next collective (a hang on NCCL, a wrong sum or a crash on gloo). So every
+# reduction of an eager sum happens where the ranks agree, at points every rank reaches in the same order:
+#
+# * the candidates are the trainable buckets a forward gathered eagerly with grad enabled since the last
+#   backward's end (gathers are collectives, so the list is the same on every rank, in the same order), and
+#   those still holding a sum on some rank (accumulating under ``no_sync``). A candidate freed meanwhile keeps
+#   its place, holding nothing: when each rank's garbage collector frees a model must not change what it sends;
+# * early: just before each all-gather an eager backward issues (collectives, matched across ranks like every
+#   eager call), one all-reduce of two bytes per candidate on the gathering bucket's data-parallel groups says
+#   which are complete on every rank, and those are reduced, in the candidates' order. The second byte says
+#   whether every rank reached every parameter of the bucket (no frozen one, no expert left out of an earlier
+#   micro-batch): then the flush's own agreement on what was reached (:meth:`DBuffer.agree_reached`, one more
+#   all-reduce) has nothing to agree. A unit's gather before its backward ([Note: eager module units] in
+#   eager/units.py) carries the flags itself, where the bucket's ranks are one group: each rank sends them after
+#   its shard (:func:`gather_in_backward`), so the agreement costs no collective;
+# * at the end of a backward (queued by its eager calls, :func:`note_eager_backward`: a unit's backward, an eager
+#   gradient, a backward's gather; every rank's backward that reaches the model makes them), one all-reduce per
+#   data-parallel group set says, per candidate, whether any rank holds a sum to reduce now, whether any rank
+#   holds one at all, and which parameters any rank reached (the flush's :meth:`DBuffer.agree_reached`, for all
+#   candidates at once). Every rank then reduces each bucket some rank holds a sum for, a rank that holds none
+#   with zeros, and the parameters any rank reached get their ``.grad`` views, as one process on the global
+#   batch gives them; only candidates still holding a sum somewhere stay listed.
+#   :func:`fsdp_pass.reduce_gradients` agrees the same way over a model's buckets.
 class _Candidate(NamedTuple):
-    bucket: weakref.ref  # a DBuffer the forward gathered eagerly
-    groups: tuple[str, ...]  # its data-parallel groups' names
+    bucket: weakref.ref  # a trainable DBuffer gathered eagerly outside a backward
+    groups: tuple  # its data-parallel process groups
+    size: int  # its parameters: the bytes it takes in the end-of-backward agreement after its two flags
+    device: torch.device  # its shard's: the agreement's tensors live there (NCCL's on the GPU)
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """Its data-parallel groups' names: the candidates agreed in one all-reduce."""
+        return tuple(g.group_name for g in self.groups)
 
 
-_gathered_by_forward: list[_Candidate] = []  # in the order the forward gathered them
-_candidates_end_queued_in = -1  # the backward (graph task id) whose end empties the candidates
+def _candidate(buf: DBuffer) -> _Candidate:
+    return _Candidate(weakref.ref(buf), tuple(buf.mesh.data_parallel_groups()), len(buf.names), buf.shard.device)
 
 
-def _dp_group_names(buf: DBuffer) -> tuple[str, ...]:
-    return tuple(g.group_name for g in buf.mesh.data_parallel_groups())
+_candidates: list[_Candidate] = []  # in the order they were first gathered
+_end_queued_in = -1  # the backward (graph task id) whose end runs _end_of_backward
 
 
 def before_eager_gather(buf: DBuffer) -> None:
@@ -735,9 +763,9 @@ def before_eager_gather(buf: DBuffer) -> None:
     backward = torch._C._current_graph_task_id()
     if backward != -1:
         _reduce_complete_everywhere(buf, backward)
-    elif (torch.is_grad_enabled() and buf.shard.requires_grad
-          and all(c.bucket() is not buf for c in _gathered_by_forward)):
-        _gathered_by_forward.append(_Candidate(weakref.ref(buf), _dp_group_names(buf)))
+    elif torch.is_grad_enabled() and buf.shard.requires_grad and not buf.eager_candidate:
+        buf.eager_candidate = True
+        _candidates.append(_candidate(buf))
 
 
 class _Agreement(NamedTuple):
@@ -750,12 +778,9 @@ class _Agreement(NamedTuple):
 
 def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
     """This rank's side of the agreement before ``gathering``'s gather in ``backward`` (None: no candidates)."""
-    global _candidates_end_queued_in
-    if _candidates_end_queued_in != backward:
-        _candidates_end_queued_in = backward
-        torch.autograd.Variable._execution_engine.queue_callback(_gathered_by_forward.clear)
-    names = _dp_group_names(gathering)
-    candidates = [c for c in _gathered_by_forward if c.groups == names]
+    note_eager_backward()
+    key = _candidate(gathering).key
+    candidates = [c for c in _candidates if c.key == key]
     if not candidates:
         return None
     buckets = [c.bucket() for c in candidates]
@@ -766,10 +791,10 @@ def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
 
 def _reduce_agreed(agreement: _Agreement, flags: torch.Tensor) -> None:
     """Reduce the candidates complete on every rank (``flags``: the agreement's flags, max over the ranks)."""
-    for candidate, b, (incomplete, partly_reached) in zip(agreement.candidates, agreement.buckets, flags.tolist()):
+    for b, (incomplete, partly_reached) in zip(agreement.buckets, flags.tolist()):
         if not incomplete:
-            _gathered_by_forward.remove(candidate)
-            _flush(b, reached_everywhere=not partly_reached)
+            b._eager_awaited = None  # complete again only once every parameter's gradient is in again
+            _flush(b, b.names if not partly_reached else None)
 
 
 def _reduce_agreed_by_all_reduce(agreement: _Agreement, gathering: DBuffer) -> None:
@@ -784,6 +809,57 @@ def _reduce_complete_everywhere(gathering: DBuffer, backward: int) -> None:
     agreement = _agreement(gathering, backward)
     if agreement is not None:
         _reduce_agreed_by_all_reduce(agreement, gathering)
+
+
+@torch.no_grad()
+def _agree_and_flush(candidates: list[_Candidate]) -> list[_Candidate]:
+    """Reduce every one of ``candidates`` (the same list on every rank) that some rank holds a sum for, on every
+    rank, after one all-reduce per data-parallel group set ([Note: an eager bucket's gradient is reduced once
+    every rank has it]); the candidates that still hold a sum on some rank (accumulating without sync)."""
+    by_groups: dict[tuple[str, ...], list[_Candidate]] = {}
+    for c in candidates:
+        by_groups.setdefault(c.key, []).append(c)
+    kept = []
+    for group_candidates in by_groups.values():
+        buckets = [c.bucket() for c in group_candidates]
+        sent: list[int] = []  # per candidate: a sum to reduce now here, a sum here, each parameter reached here
+        for c, b in zip(group_candidates, buckets):
+            if b is None:
+                sent += [0] * (2 + c.size)
+            else:
+                reached = b.reached | b.pending_names
+                holds = b._pending is not None and b._pending.grad is not None
+                sent += [holds and b.gradient_sync, holds, *(name in reached for name in b.names)]
+        flags = torch.tensor(sent, dtype=torch.uint8, device=group_candidates[0].device)
+        for group in group_candidates[0].groups:
+            flags = collectives.all_reduced(flags, group, "max")
+        agreed, at = flags.tolist(), 0
+        for c, b in zip(group_candidates, buckets):
+            reduce_anywhere, held_anywhere, reached = agreed[at], agreed[at + 1], agreed[at + 2:at + 2 + c.size]
+            at += 2 + c.size
+            if reduce_anywhere and b is None:
+                raise RuntimeError(
+                    f"a sharded model was freed on this rank while another rank still reduces its gradient ({c.size} "
+                    f"parameters); keep the model alive on every rank until the backward that syncs has run")
+            if reduce_anywhere:
+                _flush(b, [name for name, hit in zip(b.names, reached) if hit])
+            elif held_anywhere:
+                kept.append(c)
+    return kept
+
+
+def flush_agreed(buffers: list[DBuffer]) -> None:
+    """Reduce, on every rank, each of ``buffers`` (the same on every rank) that some rank holds an accumulated sum
+    for ([Note: an eager bucket's gradient is reduced once every rank has it])."""
+    _agree_and_flush([_candidate(buf) for buf in buffers])
+
+
+def note_eager_backward() -> None:
+    """The running backward made an eager call: its end agrees on the candidates' sums ([Note: an eager bucket's
+    gradient is reduced once every rank has it]). Outside a backward, nothing."""
+    backward = torch._C._current_graph_task_id()
+    if backward != -1:
+        _queue_end_of_backward(backward)
 
 
 @torch.no_grad()
@@ -827,23 +903,34 @@ def _pending_accumulated(ref: weakref.ref) -> None:
 def queue_flush_all() -> None:
     """Flush every pending sum whose bucket syncs at the end of the running backward (once per backward): a
     synced backward that does not reach a bucket still reduces what its micro-batches accumulated."""
-    global _flush_all_queued
-    if _flush_all_queued or not _with_pending:
-        return
-    _flush_all_queued = True
-    torch.autograd.Variable._execution_engine.queue_callback(_flush_all)
+    _queue_end_of_backward(torch._C._current_graph_task_id())
 
 
-def _flush_all() -> None:
-    global _flush_all_queued
-    _flush_all_queued = False
+def _queue_end_of_backward(backward: int) -> None:
+    global _end_queued_in
+    if _end_queued_in != backward:  # once per backward (one that raised never ran its callback)
+        _end_queued_in = backward
+        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+
+
+def _end_of_backward() -> None:
+    """Reduce the candidates' sums as the ranks agree, then every other pending sum whose bucket syncs (compiled
+    graphs', which every rank holds alike)."""
+    if _candidates:
+        kept = _agree_and_flush(_candidates)
+        for c in _candidates:
+            b = c.bucket()
+            if b is not None and all(k is not c for k in kept):
+                b.eager_candidate = False
+        _candidates[:] = kept
     for buf in list(_with_pending):
         _flush(buf)
 
 
-def _flush(buf: DBuffer, reached_everywhere: bool = False) -> None:
-    """Reduce ``buf``'s pending sum if its bucket syncs, and forget the bucket once it holds none."""
-    buf.flush_pending(reached_everywhere)
+def _flush(buf: DBuffer, agreed: Collection[str] | None = None) -> None:
+    """Reduce ``buf``'s pending sum if its bucket syncs (``agreed``: see :meth:`DBuffer.flush_pending`), and
+    forget the bucket once it holds none."""
+    buf.flush_pending(agreed)
     if buf._pending is None and buf in _with_pending:
         _with_pending.remove(buf)
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..options import check_divide_factor
 from . import settings as bucket_settings
-from .dbuffer import DBuffer, buffers_of, buffers_of_parameters, is_unsharded
+from .dbuffer import DBuffer, buffers_of, buffers_of_parameters, flush_agreed, is_unsharded
 from ..tensor.ragged_tensor import bucket_of, is_sharded
 
 __all__ = ["apply_to_buckets", "no_sync", "reduce_gradients", "set_gradient_divide_factor", "set_requires_gradient_sync"]
@@ -127,7 +127,8 @@ def reduce_gradients(model: nn.Module) -> None:
 
     For loops whose last backward also runs inside ``no_sync``: a pipeline schedule runs every
     micro-batch's backward in one call, so wrap ``schedule.step(...)`` in ``no_sync`` and call this
-    before the optimizer step. Buckets with nothing pending are left alone.
+    before the optimizer step. Buckets with nothing pending on any rank are left alone (one all-reduce
+    agrees which: a bucket that only some ranks' eager calls reached is reduced on every rank).
     """
     buffers = _buffers(model)
     if not all(buf.gradient_sync for buf in buffers):
@@ -135,5 +136,4 @@ def reduce_gradients(model: nn.Module) -> None:
             f"reduce_gradients({type(model).__name__}) was called while gradient sync is off; call it after "
             f"the no_sync block (or after set_requires_gradient_sync(model, True))"
         )
-    for buf in buffers:
-        buf.flush_pending()
+    flush_agreed(buffers)

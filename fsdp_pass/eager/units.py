@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..buckets.dbuffer import DBuffer, before_eager_gather, buffers_of, gather_in_backward
+from ..buckets.dbuffer import DBuffer, before_eager_gather, buffers_of, gather_in_backward, note_eager_backward
 from ..buckets.whole_values import gathered_views
 
 __all__ = ["register_unit"]
@@ -154,6 +154,7 @@ class _BeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        note_eager_backward()  # [Note: an eager bucket's gradient is reduced once every rank has it]
         ctx.call.gather_again()
         return (None,) + grads
 
