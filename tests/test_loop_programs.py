@@ -63,6 +63,12 @@ REGRESSIONS: dict[str, list[Event]] = {
                                        Event("forward", experts=(False, True)),
                                        Event("forward", experts=(True, False), skew=True),
                                        Event("forward", experts=(False, True), skew=True)),
+    # a rank whose tokens reach no expert holds no gradient for the experts' bucket that another rank reduces: it
+    # must still join that reduce-scatter (eager units: agreed at the backward's end). Not for fully_shard +
+    # compile: a graph gathers no bucket it does not read, so ranks running different graphs gather differently
+    "every expert one rank skips": _steps(Event("forward"), Event("forward", experts=(False, False)),
+                                          Event("forward", experts=(False, False), skew=True),
+                                          Event("forward", experts=(True, True), skew=True)),
     "frozen then unfrozen": [*_steps(Event("forward")), Event("freeze", on=True, target="branch"),
                              *_steps(Event("forward")), Event("freeze", on=False, target="branch"),
                              *_steps(Event("forward"))],
@@ -80,11 +86,14 @@ REGRESSIONS: dict[str, list[Event]] = {
 }
 
 
+# the regressions some shardings cannot run, and the shardings that run them
+ONLY: dict[str, list[str]] = {"every expert one rank skips": ["eager fully_shard", "whole-model compile"]}
+
+
 def _named_and_sampled(rank: int, world: int, seeds: list[int]) -> list[str]:
     found = []
     for name, program in REGRESSIONS.items():
-        skewed = any(e.skew for e in program)
-        shardings = [s for s in lp.SHARDINGS if not (skewed and s == "eager fully_shard")]
+        shardings = ONLY.get(name, list(lp.SHARDINGS))
         found += [f"{name}: {line}" for line in lp.run_programs([program], shardings, rank, world)]
     found += lp.run_programs([lp.draw_program(seed) for seed in seeds], list(lp.SHARDINGS), rank, world)
     return found

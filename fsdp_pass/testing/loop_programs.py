@@ -21,8 +21,9 @@ refused once unfrozen), the same branch and experts on every rank.
 A skewed forward (``Event.skew``: ranks run different experts, as a router sends their tokens apart) is
 for named cases that first compile each graph on every rank: a compile is collective (sharding/agreement.py
 refuses graphs over different parameters), and one rank compiling while another runs a cached graph
-mismatches the collectives. Nor is it for eager calls, whose per-bucket reductions need every rank to
-reach the same parameters (as FSDP2's do), nor for a rank that skips a whole bucket another rank uses.
+mismatches the collectives. Compiled, it is not for a rank that skips a whole bucket another rank uses: a
+graph gathers only the buckets it reads. Eager units gather every bucket of the unit on every rank, so
+there it is.
 """
 
 from __future__ import annotations
