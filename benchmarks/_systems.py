@@ -33,6 +33,8 @@ class System:
     # min_bucket_bytes=0: a bucket per module unit) or "blocks" (each block, then the model: FSDP2's recipe)
     fully_shard: str | None = None
     compile_blocks: bool = False  # with fully_shard: each block .compile(backend="vescale"), the rest eager
+    # each block in torch's activation-checkpoint wrapper (non-reentrant) before sharding, as torchtitan applies it
+    checkpoint_blocks: bool = False
 
     @property
     def sharded_by_fsdp_pass(self) -> bool:
@@ -100,6 +102,9 @@ EAGER_SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp_pass_eager_blocks", "fsdp_pass fully_shard per block + root, eager", fully_shard="blocks"),
     System("fsdp_pass_regional", "fsdp_pass fully_shard per block + root, blocks compiled (vescale)", inductor=True,
            fully_shard="blocks", compile_blocks=True),
+    System("fsdp2_checkpointed", "FSDP2 per checkpoint-wrapped block + root, eager", checkpoint_blocks=True),
+    System("fsdp_pass_eager_checkpointed", "fsdp_pass fully_shard per checkpoint-wrapped block + root, eager",
+           fully_shard="blocks", checkpoint_blocks=True),
 )}
 ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **EAGER_SYSTEMS}
 
@@ -226,7 +231,11 @@ def build_system(system: System, model: nn.Module, world: int, graph_sink: Calla
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # broadcast_buffers: deprecated name, same meaning
             return nn.parallel.DistributedDataParallel(model, broadcast_buffers=False), notes
-    if system.key in ("fsdp2", "fsdp2_compile", "fsdp2_reshard2"):
+    if system.checkpoint_blocks:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model.layers = nn.ModuleList(checkpoint_wrapper(block, preserve_rng_state=False) for block in model.layers)
+    if system.key in ("fsdp2", "fsdp2_compile", "fsdp2_reshard2", "fsdp2_checkpointed"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 

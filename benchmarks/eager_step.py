@@ -21,6 +21,11 @@ Two parts, each round robin in the same two pinned gloo ranks ([Note: round robi
   its round, timed on its slowest rank): everything sharding adds per block call (hooks, dispatch, copies,
   collectives and their waits), the optimizer left out (it runs over half the parameters in the
   sharded systems and all of them in the floor).
+* ``checkpointed`` (the llama part's model, each block in torch's non-reentrant ``checkpoint_wrapper`` before
+  sharding, torchtitan's order): ``fsdp2_checkpointed`` (FSDP2 per wrapped block + root) and
+  ``fsdp_pass_eager_checkpointed`` (``fsdp_pass.fully_shard`` the same way: each wrapper a unit, its recompute
+  on the gather before its backward, [Note: a wrapper unit's recompute] in fsdp_pass/eager/units.py). Run it
+  with ``--twin fsdp2_checkpointed``.
 
 ``--twin`` (default ``fsdp2``) adds a second instance of a system to each part: its ratios to the first are
 what a run resolves. Each system's losses (every step of every rank: warm-up, switches and timed steps,
@@ -80,13 +85,15 @@ PARTS = {
               {"fsdp_pass_eager": "fsdp2", "fsdp_pass_eager_blocks": "fsdp2", "fsdp_pass_regional": "fsdp2_compile"}),
     "blocks": (["single_eager", "fsdp2", "fsdp_pass_eager", "fsdp_pass_eager_units", "fsdp_pass_eager_blocks"],
                {"fsdp_pass_eager": "fsdp2", "fsdp_pass_eager_units": "fsdp2", "fsdp_pass_eager_blocks": "fsdp2"}),
+    "checkpointed": (["fsdp2_checkpointed", "fsdp_pass_eager_checkpointed"],
+                     {"fsdp_pass_eager_checkpointed": "fsdp2_checkpointed"}),
 }
 FLOOR = "single_eager"
 
 
 def part_setting(part: str, quick: bool) -> tuple[str, LlamaConfig, int]:
     """(model name, config, per-rank batch) of a part."""
-    if part == "llama":
+    if part in ("llama", "checkpointed"):
         return "llama", (QUICK_CONFIGS if quick else CONFIGS)["llama"], QUICK_BATCH if quick else PER_RANK_BATCH["llama"]
     return "blocks", QUICK_BLOCKS if quick else BLOCKS, BLOCKS_BATCH
 

@@ -144,19 +144,37 @@ def _eager_training(rank: int, world: int) -> None:
         fsdp_pass.fully_shard(model)
         _train_side_by_side(rank, world, model, ref, steps=2)
 
+    # torchtitan's order, the wrapper sharded: its unit gathers around the checkpointed call, and the recompute
+    # runs on the gather before the unit's backward, not op by op ([Note: a wrapper unit's recompute])
+    for reentrant, selective in ((False, False), (True, False), (False, True)):
+        ref = init_std(Llama(LlamaConfig(layers=2)))
+        ref.layers = nn.ModuleList(Checkpointed(block, reentrant, selective) for block in ref.layers)
+        model = copy.deepcopy(ref)
+        for checkpointed in model.layers:
+            fsdp_pass.fully_shard(checkpointed)
+        fsdp_pass.fully_shard(model)
+        _train_side_by_side(rank, world, model, ref, steps=2)
+        _check_no_dispatch(model, tokens)
+        _check_root_kept_for_backward(model, tokens)
+
 
 def _check_units_run_without_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:
     """Every parameter of ``model`` is in a one-bucket unit ([Note: eager module units]): a forward and backward
     run no op through RaggedShard dispatch; a unit whose forward raises gets its sharded parameters back."""
-    from fsdp_pass.tensor import dispatch
-
-    with patch.object(dispatch, "dispatch", side_effect=AssertionError("an op went through dispatch")):
-        lm_loss(model(tokens), tokens).backward()
+    _check_no_dispatch(model, tokens)
     block = model.layers[1]
     with patch.object(type(block.attn), "forward", side_effect=RuntimeError("raised inside the unit")):
         with pytest.raises(RuntimeError, match="inside the unit"):
             model(tokens)
     assert all(isinstance(p, RaggedShardTensor) for p in model.parameters())
+
+
+def _check_no_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:
+    """A forward and backward of ``model`` run no op through RaggedShard dispatch."""
+    from fsdp_pass.tensor import dispatch
+
+    with patch.object(dispatch, "dispatch", side_effect=AssertionError("an op went through dispatch")):
+        lm_loss(model(tokens), tokens).backward()
 
 
 def _check_root_kept_for_backward(model: nn.Module, tokens: torch.Tensor) -> None:

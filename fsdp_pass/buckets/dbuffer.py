@@ -827,8 +827,10 @@ def _agree_and_flush(candidates: list[_Candidate]) -> list[_Candidate]:
             if b is None:
                 sent += [0] * (2 + c.size)
             else:
-                reached = b.reached | b.pending_names
                 holds = b._pending is not None and b._pending.grad is not None
+                if holds and b.gradient_sync:
+                    b._settle_pending_views()  # a .grad cleared since it was summed leaves the sum: not reached
+                reached = b.reached | b.pending_names
                 sent += [holds and b.gradient_sync, holds, *(name in reached for name in b.names)]
         flags = torch.tensor(sent, dtype=torch.uint8, device=group_candidates[0].device)
         for group in group_candidates[0].groups:

@@ -9,7 +9,8 @@ FSDP2's parameter group) does better when it is called eagerly, as FSDP2's hooks
 * each bucket of the call belongs to the innermost submodule whose subtree holds all its parameters (the
   call's module, or a block of a whole model given to one ``fully_shard``), raised through wrappers that hold
   nothing more (an activation-checkpoint wrapper); that submodule is the unit. A wrapper's unit gathers
-  outside the checkpointed call, whose recompute in backward then runs on the sharded parameters op by op;
+  outside the checkpointed call, and its recompute in backward runs on the gather before the unit's backward
+  ([Note: a wrapper unit's recompute]);
 * before its forward (a forward pre-hook), each of the unit's own buckets is all-gathered, once, and its
   parameters' entries in their modules' ``_parameters`` become the whole tensors, views of the gathered
   buffer: the unit's ops run on plain tensors, with no dispatch. The trainable ones come out of one
@@ -39,7 +40,7 @@ bucket under a ``ModuleList``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -52,14 +53,19 @@ from ..buckets.whole_values import gathered_views
 __all__ = ["register_unit"]
 
 _UNIT_ATTR = "_fsdp_pass_unit"  # a unit module's _Unit, in its __dict__
+_RECOMPUTED_ATTR = "_fsdp_pass_recomputed_unit"  # on the module a wrapper unit's checkpoint recomputes: that _Unit
 _running: list[_UnitCall] = []  # the unit forwards running now, outermost first
 
 
 class _Unit:
     """What a unit's hooks need, kept on the module (in its ``__dict__``, as :data:`_UNIT_ATTR`)."""
 
-    def __init__(self, module: nn.Module, buckets: list[DBuffer]) -> None:
+    def __init__(self, module: nn.Module, buckets: list[DBuffer], wrapped: nn.Module | None) -> None:
         self.buckets = buckets  # the unit's own buckets, in layout order
+        # the innermost module holding the same parameters, when the unit is a wrapper around it (an activation
+        # checkpoint's, which recomputes it in backward: [Note: a wrapper unit's recompute])
+        self.wrapped = wrapped
+        self.recomputing: _Recompute | None = None  # what a recompute of ``wrapped`` in the running backward reads
         own = {id(p): (buf, name) for buf in buckets for name, p in buf.params.items()}
         # (module holding it, attribute, bucket, name) for every entry of a unit parameter, shared ones each time
         self.entries: list[tuple[nn.Module, str, DBuffer, str]] = [
@@ -68,6 +74,13 @@ class _Unit:
         self.calls: list[_UnitCall] = []  # forwards running now (a unit may call itself)
         # a root: its module holds other buckets (blocks sharded before it), so its forward ends the model's
         self.encloses_buckets = len(buffers_of(module)) > len(buckets)
+
+
+class _Recompute(NamedTuple):
+    """What the recompute of a wrapper unit's module reads ([Note: a wrapper unit's recompute])."""
+
+    call: _UnitCall  # the unit call whose backward runs now
+    wholes: dict  # (bucket id, name) → the whole tensor the recompute's modules hold
 
 
 class _UnitCall:
@@ -140,6 +153,8 @@ class _WholeParameters(torch.autograd.Function):
             if trainable:
                 buf.add_pending(trainable)
         ctx.call.gathered.clear()  # what the unit's backward saved keeps the buffers alive as long as it needs
+        if ctx.call.unit.recomputing is not None and ctx.call.unit.recomputing.call is ctx.call:  # recomputed none
+            ctx.call.unit.recomputing = None
         return (None, None, None) + (None,) * len(grads)  # the sharded parameters' .grad are the reduction's views
 
 
@@ -155,8 +170,40 @@ class _BeforeBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         note_eager_backward()  # [Note: an eager bucket's gradient is reduced once every rank has it]
-        ctx.call.gather_again()
+        call = ctx.call
+        call.gather_again()
+        if call.unit.wrapped is not None:  # [Note: a wrapper unit's recompute]
+            views = {(id(buf), name): view for buf in call.unit.buckets
+                     for name, view in buf.views(call.gathered[id(buf)]).items()}
+            with torch.enable_grad():
+                call.unit.recomputing = _Recompute(call, _whole_tensors(call, views))
         return (None,) + grads
+
+
+def _whole_tensors(call: _UnitCall, wholes: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """The unit's whole tensors (``wholes``: views of its gathered buffers, by ``(bucket id, name)``), the trainable
+    ones through :class:`_WholeParameters` when grad is enabled."""
+    trainable = {}  # (bucket id, name) → the sharded parameter, once each (a shared one has several entries)
+    if torch.is_grad_enabled():
+        trainable = {(id(buf), name): buf.params[name] for _, _, buf, name in call.unit.entries
+                     if buf.params[name].requires_grad}
+    if trainable:
+        keys = tuple(trainable)
+        outs = _WholeParameters.apply(call, keys, tuple(wholes[k] for k in keys), *trainable.values())
+        wholes.update(zip(keys, outs))
+    return wholes
+
+
+def _swap_in(unit: _Unit, wholes: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Put the unit's whole tensors (by ``(bucket id, name)``) in its modules' ``_parameters``."""
+    for sub, attr, buf, name in unit.entries:
+        sub._parameters[attr] = wholes[(id(buf), name)]
+
+
+def _swap_out(unit: _Unit) -> None:
+    """Give the unit's modules their sharded parameters back."""
+    for sub, attr, buf, name in unit.entries:
+        sub._parameters[attr] = buf.params[name]
 
 
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -165,20 +212,46 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     unit: _Unit | None = module.__dict__.get(_UNIT_ATTR)
     if unit is None or _under_compiled(module, unit):
         return None
+    if unit.wrapped is not None and _RECOMPUTED_ATTR not in unit.wrapped.__dict__:
+        _watch_recompute(unit)
+    unit.recomputing = None
     call = _UnitCall(unit)
-    wholes = call.gather()
-    trainable = {}  # (bucket id, name) → the sharded parameter, once each (a shared one has several entries)
-    if torch.is_grad_enabled():
-        trainable = {(id(buf), name): buf.params[name] for _, _, buf, name in unit.entries
-                     if buf.params[name].requires_grad}
-    if trainable:
-        keys = tuple(trainable)
-        outs = _WholeParameters.apply(call, keys, tuple(wholes[k] for k in keys), *trainable.values())
-        wholes.update(zip(keys, outs))
-    for sub, attr, buf, name in unit.entries:
-        sub._parameters[attr] = wholes[(id(buf), name)]
+    _swap_in(unit, _whole_tensors(call, call.gather()))
     unit.calls.append(call)
     _running.append(call)
+    return None
+
+
+# [Note: a wrapper unit's recompute]
+# A unit raised to an activation-checkpoint wrapper (:func:`_owner`) gathers around the checkpointed call, and
+# the recompute inside backward calls the wrapped module, not the wrapper: its hooks do not run, so the
+# recompute would find the sharded parameters and run op by op, gathering each bucket a second time. So the
+# wrapped module gets hooks of its own that act only inside a backward, between the wrapper's
+# :class:`_BeforeBackward` and the end of the recompute: they swap in the whole tensors of the gather before the
+# unit's backward, as the wrapper's forward did. :class:`_BeforeBackward` makes them (``_Unit.recomputing``),
+# through :class:`_WholeParameters` with grad enabled: a reentrant checkpoint backpropagates through the
+# recompute itself, a non-reentrant one only reads what the recompute saves. Made there, not in the recompute,
+# they run no op inside it (selective checkpointing refuses an op its forward did not run). The hooks are added at the wrapper's first eager call, not when it is sharded:
+# a wrapper compiled from its first call never gets them, and hooks inside a compiled wrapper would make Dynamo
+# guard each block's hook ids and compile a graph per block.
+def _watch_recompute(unit: _Unit) -> None:
+    unit.wrapped.__dict__[_RECOMPUTED_ATTR] = unit
+    unit.wrapped.register_forward_pre_hook(_before_recompute, with_kwargs=True)
+    unit.wrapped.register_forward_hook(_after_recompute, with_kwargs=True, always_call=True)
+
+
+def _before_recompute(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    unit: _Unit = module.__dict__[_RECOMPUTED_ATTR]
+    if unit.recomputing is not None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        _swap_in(unit, unit.recomputing.wholes)
+    return None
+
+
+def _after_recompute(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    unit: _Unit = module.__dict__[_RECOMPUTED_ATTR]
+    if unit.recomputing is not None and torch._C._current_graph_task_id() != -1:
+        unit.recomputing = None
+        _swap_out(unit)
     return None
 
 
@@ -202,8 +275,7 @@ def _after_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
         return None
     call = unit.calls.pop()
     _running.remove(call)
-    for sub, attr, buf, name in unit.entries:
-        sub._parameters[attr] = buf.params[name]
+    _swap_out(unit)
     if output is None or not torch.is_grad_enabled():  # None also when the forward raised (always_call)
         return None
     leaves, spec = tree_flatten(output)
@@ -229,12 +301,12 @@ def register_unit(module: nn.Module, buckets: list[DBuffer]) -> None:
     for buf in buckets:
         if buf.dtensor_specs:
             continue
-        owner = _owner(module, [holders[id(p)] for p in buf.params.values()])
-        by_owner.setdefault(id(owner), (owner, []))[1].append(buf)
-    for owner, owned in by_owner.values():
+        owner, wrapped = _owner(module, [holders[id(p)] for p in buf.params.values()])
+        by_owner.setdefault(id(owner), (owner, wrapped, []))[2].append(buf)
+    for owner, wrapped, owned in by_owner.values():
         if _UNIT_ATTR in owner.__dict__ or isinstance(owner, (nn.ModuleList, nn.ModuleDict)):
             continue
-        owner.__dict__[_UNIT_ATTR] = _Unit(owner, owned)
+        owner.__dict__[_UNIT_ATTR] = _Unit(owner, owned, wrapped)
         owner.register_forward_pre_hook(_before_forward, with_kwargs=True)
         owner.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)  # the shards go back even
         # if the forward raises
@@ -250,12 +322,12 @@ def _holders(module: nn.Module) -> dict[int, list[str]]:
     return held
 
 
-def _owner(module: nn.Module, holders: list[list[str]]) -> nn.Module:
+def _owner(module: nn.Module, holders: list[list[str]]) -> tuple[nn.Module, nn.Module | None]:
     """The submodule of ``module`` whose calls are a unit for parameters held by ``holders``: the innermost one
     whose subtree contains every holder (the whole model gives a bucket per block its block; the norm and head of
     a root the root), raised through wrappers that hold nothing else (an activation-checkpoint wrapper, which
     ``block.compile()`` then compiles: hooks on a module inside a compiled one would be guarded per block, a
-    graph each)."""
+    graph each). Also the module raised from, when the owner is a wrapper around it (else None)."""
     paths = [path.split(".") if path else [] for names in holders for path in names]
     common = paths[0]
     for path in paths[1:]:
@@ -263,11 +335,11 @@ def _owner(module: nn.Module, holders: list[list[str]]) -> nn.Module:
         while n < min(len(common), len(path)) and common[n] == path[n]:
             n += 1
         common = common[:n]
-    owner = module.get_submodule(".".join(common))
+    innermost = owner = module.get_submodule(".".join(common))
     own = {id(p) for p in owner.parameters()}
     while common:
         parent = module.get_submodule(".".join(common[:-1]))
         if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or {id(p) for p in parent.parameters()} != own:
             break  # a container no one calls, or a module holding more
         common, owner = common[:-1], parent
-    return owner
+    return owner, (innermost if owner is not innermost else None)
