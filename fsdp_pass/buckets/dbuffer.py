@@ -723,7 +723,8 @@ def _end_eager_backward(buf: DBuffer) -> None:
 #   its place, holding nothing: when each rank's garbage collector frees a model must not change what it sends;
 # * early: just before each all-gather an eager backward issues (collectives, matched across ranks like every
 #   eager call), one all-reduce of two bytes per candidate on the gathering bucket's data-parallel groups says
-#   which are complete on every rank, and those are reduced, in the candidates' order. The second byte says
+#   which are complete on every rank, and those are reduced, in the candidates' order (and left out of the
+#   early agreements until the backward ends, though not out of its end's). The second byte says
 #   whether every rank reached every parameter of the bucket (no frozen one, no expert left out of an earlier
 #   micro-batch): then the flush's own agreement on what was reached (:meth:`DBuffer.agree_reached`, one more
 #   all-reduce) has nothing to agree. A unit's gather before its backward ([Note: eager module units] in
@@ -754,6 +755,7 @@ def _candidate(buf: DBuffer) -> _Candidate:
 
 
 _candidates: list[_Candidate] = []  # in the order they were first gathered
+_early: list[_Candidate] = []  # those the running backward has not reduced early (the same list on every rank)
 _end_queued_in = -1  # the backward (graph task id) whose end runs _end_of_backward
 
 
@@ -766,6 +768,7 @@ def before_eager_gather(buf: DBuffer) -> None:
     elif torch.is_grad_enabled() and buf.shard.requires_grad and not buf.eager_candidate:
         buf.eager_candidate = True
         _candidates.append(_candidate(buf))
+        _early.append(_candidates[-1])
 
 
 class _Agreement(NamedTuple):
@@ -780,7 +783,7 @@ def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
     """This rank's side of the agreement before ``gathering``'s gather in ``backward`` (None: no candidates)."""
     note_eager_backward()
     key = _candidate(gathering).key
-    candidates = [c for c in _candidates if c.key == key]
+    candidates = [c for c in _early if c.key == key]
     if not candidates:
         return None
     buckets = [c.bucket() for c in candidates]
@@ -791,9 +794,9 @@ def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
 
 def _reduce_agreed(agreement: _Agreement, flags: torch.Tensor) -> None:
     """Reduce the candidates complete on every rank (``flags``: the agreement's flags, max over the ranks)."""
-    for b, (incomplete, partly_reached) in zip(agreement.buckets, flags.tolist()):
+    for candidate, b, (incomplete, partly_reached) in zip(agreement.candidates, agreement.buckets, flags.tolist()):
         if not incomplete:
-            b._eager_awaited = None  # complete again only once every parameter's gradient is in again
+            _early.remove(candidate)
             _flush(b, b.names if not partly_reached else None)
 
 
@@ -924,7 +927,7 @@ def _end_of_backward() -> None:
             b = c.bucket()
             if b is not None and all(k is not c for k in kept):
                 b.eager_candidate = False
-        _candidates[:] = kept
+        _candidates[:] = _early[:] = kept
     for buf in list(_with_pending):
         _flush(buf)
 
