@@ -156,6 +156,8 @@ def _eager_training(rank: int, world: int) -> None:
         _train_side_by_side(rank, world, model, ref, steps=2)
         _check_no_dispatch(model, tokens)
         _check_root_kept_for_backward(model, tokens)
+        if not selective:  # torch's selective checkpointing refuses a second backward
+            _check_backward_twice(model, tokens)
 
 
 def _check_units_run_without_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:
@@ -175,6 +177,19 @@ def _check_no_dispatch(model: nn.Module, tokens: torch.Tensor) -> None:
 
     with patch.object(dispatch, "dispatch", side_effect=AssertionError("an op went through dispatch")):
         lm_loss(model(tokens), tokens).backward()
+
+
+def _check_backward_twice(model: nn.Module, tokens: torch.Tensor) -> None:
+    """A second backward through the same graph (``retain_graph``) adds the same gradients again."""
+    model.zero_grad()
+    lm_loss(model(tokens), tokens).backward()
+    once = [p.grad.full_tensor() for p in model.parameters()]
+    model.zero_grad()
+    loss = lm_loss(model(tokens), tokens)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for (name, p), grad in zip(model.named_parameters(), once):
+        assert _rel(p.grad.full_tensor(), 2 * grad) <= TOLERANCE, name
 
 
 def _check_root_kept_for_backward(model: nn.Module, tokens: torch.Tensor) -> None:

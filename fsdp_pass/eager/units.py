@@ -172,7 +172,8 @@ class _BeforeBackward(torch.autograd.Function):
         note_eager_backward()  # [Note: an eager bucket's gradient is reduced once every rank has it]
         call = ctx.call
         call.gather_again()
-        if call.unit.wrapped is not None:  # [Note: a wrapper unit's recompute]
+        if call.unit.wrapped is not None and call.gathered:  # [Note: a wrapper unit's recompute]; a second
+            # backward through the call (retain_graph) finds its gather handed on and recomputes op by op
             views = {(id(buf), name): view for buf in call.unit.buckets
                      for name, view in buf.views(call.gathered[id(buf)]).items()}
             with torch.enable_grad():
