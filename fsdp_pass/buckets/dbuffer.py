@@ -119,7 +119,8 @@ from .whole_values import whole_views
 
 _c10d = torch.ops._c10d_functional
 
-__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "flush_agreed", "is_unsharded", "mark_unsharded", "note_reached", "note_eager_backward", "pending_leaf", "queue_flush_all"]
+__all__ = ["DBuffer", "at_end_of_backward", "buffers_of", "flush_agreed", "is_unsharded", "mark_unsharded",
+           "note_eager_backward", "note_reached", "pending_leaf", "queue_flush_all"]
 
 _UNSHARDED_ATTR = "_fsdp_pass_unsharded"  # on a parameter inside fsdp_pass.unshard: its whole value stands in
 

@@ -213,7 +213,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     unit: _Unit | None = module.__dict__.get(_UNIT_ATTR)
     if unit is None or _under_compiled(module, unit):
         return None
-    if unit.wrapped is not None and _RECOMPUTED_ATTR not in unit.wrapped.__dict__:
+    if unit.wrapped is not None and torch.is_grad_enabled() and _RECOMPUTED_ATTR not in unit.wrapped.__dict__:
         _watch_recompute(unit)
     unit.recomputing = None
     call = _UnitCall(unit)
@@ -232,9 +232,10 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
 # unit's backward, as the wrapper's forward did. :class:`_BeforeBackward` makes them (``_Unit.recomputing``),
 # through :class:`_WholeParameters` with grad enabled: a reentrant checkpoint backpropagates through the
 # recompute itself, a non-reentrant one only reads what the recompute saves. Made there, not in the recompute,
-# they run no op inside it (selective checkpointing refuses an op its forward did not run). The hooks are added at the wrapper's first eager call, not when it is sharded:
-# a wrapper compiled from its first call never gets them, and hooks inside a compiled wrapper would make Dynamo
-# guard each block's hook ids and compile a graph per block.
+# they run no op inside it (selective checkpointing refuses an op its forward did not run). The hooks are added
+# at the wrapper's first eager call with grad enabled, not when it is sharded: a wrapper compiled from its first
+# call never gets them, and hooks inside a compiled wrapper would make Dynamo guard each block's hook ids and
+# compile a graph per block.
 def _watch_recompute(unit: _Unit) -> None:
     unit.wrapped.__dict__[_RECOMPUTED_ATTR] = unit
     unit.wrapped.register_forward_pre_hook(_before_recompute, with_kwargs=True)
