@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 from unittest.mock import patch
 
 import pytest
@@ -251,13 +253,23 @@ def _experts_reached_on_one_rank(rank: int, world: int) -> None:
     bucket, and every rank must still reduce it, at the same point ([Note: an eager bucket's gradient is reduced
     once every rank has it]): at the backward's end, at the next synced backward after ``no_sync`` micro-batches
     (one that reaches no expert on any rank), and in ``reduce_gradients``. The experts no rank reached keep
-    ``.grad`` None, as one process's do."""
+    ``.grad`` None, as one process's do. A model deleted with such a sum is dropped on every rank."""
     from fsdp_pass.sharding import fully_shard as sharding
 
     x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(2))
     micro_batches = [x[:2 * world], x[2 * world:]]
     one_rank = [(True, False, False)] + [(False, False, False)] * (world - 1)
     none = [(False, False, False)] * world
+    # first a model deleted on every rank while rank 0 alone holds a no_sync sum of it: that sum keeps rank 0's
+    # bucket alive, the others' bucket is freed, so the next backward's end drops the sum everywhere
+    experts = Experts(count=3)
+    fsdp_pass.fully_shard(experts)
+    with fsdp_pass.no_sync(experts):
+        experts(x[2 * rank:2 * rank + 2].clone().requires_grad_(), one_rank[rank]).square().mean().backward()
+    bucket = weakref.ref(buffers_of(experts)[0])
+    del experts
+    gc.collect()
+    assert (bucket() is None) == (rank > 0), "a deleted model is kept by its unreduced sum only"
     # (per micro-batch: each rank's experts, and whether it syncs); a last unsynced one ends with reduce_gradients
     loops = [[(one_rank, True)], [(one_rank, False), (none, True)], [(one_rank, False), (one_rank, False)]]
     for loop in loops:

@@ -734,15 +734,17 @@ def _end_eager_backward(buf: DBuffer) -> None:
 # * at the end of a backward (queued by its eager calls, :func:`note_eager_backward`: a unit's backward, an eager
 #   gradient, a backward's gather; every rank's backward that reaches the model makes them), one all-reduce per
 #   data-parallel group set says, per candidate, whether any rank holds a sum to reduce now, whether any rank
-#   holds one at all, and which parameters any rank reached (the flush's :meth:`DBuffer.agree_reached`, for all
-#   candidates at once). Every rank then reduces each bucket some rank holds a sum for, a rank that holds none
-#   with zeros, and the parameters any rank reached get their ``.grad`` views, as one process on the global
-#   batch gives them; only candidates still holding a sum somewhere stay listed.
+#   holds one at all, whether any rank freed the bucket, and which parameters any rank reached (the flush's
+#   :meth:`DBuffer.agree_reached`, for all candidates at once). Every rank then reduces each bucket some rank
+#   holds a sum for, a rank that holds none with zeros, and the parameters any rank reached get their ``.grad``
+#   views, as one process on the global batch gives them; only candidates still holding a sum somewhere stay
+#   listed. A bucket some rank freed (its model deleted while another rank still holds its ``no_sync`` sum,
+#   which keeps it alive there) cannot be reduced: every rank drops its sum instead.
 #   :func:`fsdp_pass.reduce_gradients` agrees the same way over a model's buckets.
 class _Candidate(NamedTuple):
     bucket: weakref.ref  # a trainable DBuffer gathered eagerly outside a backward
     groups: tuple  # its data-parallel process groups
-    size: int  # its parameters: the bytes it takes in the end-of-backward agreement after its two flags
+    size: int  # its parameters: the bytes it takes in the end-of-backward agreement after its three flags
     device: torch.device  # its shard's: the agreement's tensors live there (NCCL's on the GPU)
 
     @property
@@ -826,32 +828,42 @@ def _agree_and_flush(candidates: list[_Candidate]) -> list[_Candidate]:
     kept = []
     for group_candidates in by_groups.values():
         buckets = [c.bucket() for c in group_candidates]
-        sent: list[int] = []  # per candidate: a sum to reduce now here, a sum here, each parameter reached here
+        # per candidate: a sum to reduce now here, a sum here, the bucket freed here, each parameter reached here
+        sent: list[int] = []
         for c, b in zip(group_candidates, buckets):
             if b is None:
-                sent += [0] * (2 + c.size)
+                sent += [0, 0, 1] + [0] * c.size
             else:
                 holds = b._pending is not None and b._pending.grad is not None
                 if holds and b.gradient_sync:
                     b._settle_pending_views()  # a .grad cleared since it was summed leaves the sum: not reached
                 reached = b.reached | b.pending_names
-                sent += [holds and b.gradient_sync, holds, *(name in reached for name in b.names)]
+                sent += [holds and b.gradient_sync, holds, 0, *(name in reached for name in b.names)]
         flags = torch.tensor(sent, dtype=torch.uint8, device=group_candidates[0].device)
         for group in group_candidates[0].groups:
             flags = collectives.all_reduced(flags, group, "max")
         agreed, at = flags.tolist(), 0
         for c, b in zip(group_candidates, buckets):
-            reduce_anywhere, held_anywhere, reached = agreed[at], agreed[at + 1], agreed[at + 2:at + 2 + c.size]
-            at += 2 + c.size
-            if reduce_anywhere and b is None:
-                raise RuntimeError(
-                    f"a sharded model was freed on this rank while another rank still reduces its gradient ({c.size} "
-                    f"parameters); keep the model alive on every rank until the backward that syncs has run")
-            if reduce_anywhere:
+            reduce_anywhere, held_anywhere, freed_anywhere = agreed[at:at + 3]
+            reached = agreed[at + 3:at + 3 + c.size]
+            at += 3 + c.size
+            if freed_anywhere:  # its model is gone (a rank that freed it cannot reduce): its sums go with it
+                if b is not None:
+                    _drop_pending(b)
+            elif reduce_anywhere:
                 _flush(b, [name for name, hit in zip(b.names, reached) if hit])
             elif held_anywhere:
                 kept.append(c)
     return kept
+
+
+def _drop_pending(buf: DBuffer) -> None:
+    """Forget ``buf``'s unreduced sum, unreduced."""
+    buf._pending = buf._pending_config = buf._pending_views_version = None
+    buf._pending_in_graph = False
+    buf.pending_names = set()
+    if buf in _with_pending:
+        _with_pending.remove(buf)
 
 
 def flush_agreed(buffers: list[DBuffer]) -> None:

@@ -153,8 +153,6 @@ class _WholeParameters(torch.autograd.Function):
             if trainable:
                 buf.add_pending(trainable)
         ctx.call.gathered.clear()  # what the unit's backward saved keeps the buffers alive as long as it needs
-        if ctx.call.unit.recomputing is not None and ctx.call.unit.recomputing.call is ctx.call:  # recomputed none
-            ctx.call.unit.recomputing = None
         return (None, None, None) + (None,) * len(grads)  # the sharded parameters' .grad are the reduction's views
 
 
@@ -178,6 +176,8 @@ class _BeforeBackward(torch.autograd.Function):
                      for name, view in buf.views(call.gathered[id(buf)]).items()}
             with torch.enable_grad():
                 call.unit.recomputing = _Recompute(call, _whole_tensors(call, views))
+            # a backward that never enters the checkpointed call recomputes nothing: let go of the gather then
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget_recompute(call))
         return (None,) + grads
 
 
@@ -232,10 +232,11 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
 # unit's backward, as the wrapper's forward did. :class:`_BeforeBackward` makes them (``_Unit.recomputing``),
 # through :class:`_WholeParameters` with grad enabled: a reentrant checkpoint backpropagates through the
 # recompute itself, a non-reentrant one only reads what the recompute saves. Made there, not in the recompute,
-# they run no op inside it (selective checkpointing refuses an op its forward did not run). The hooks are added
-# at the wrapper's first eager call with grad enabled, not when it is sharded: a wrapper compiled from its first
-# call never gets them, and hooks inside a compiled wrapper would make Dynamo guard each block's hook ids and
-# compile a graph per block.
+# they run no op inside it (selective checkpointing refuses an op its forward did not run); the backward's end
+# lets go of them, whether or not a recompute read them. The hooks are added at the wrapper's first eager call
+# with grad enabled, not when it is sharded: a wrapper compiled from its first call never gets them, and hooks
+# inside a compiled wrapper would make Dynamo guard each block's hook ids and compile a graph per block. A
+# module raised through a container (``experts`` of an MoE layer, a ``ModuleList`` no one calls) wraps nothing.
 def _watch_recompute(unit: _Unit) -> None:
     unit.wrapped.__dict__[_RECOMPUTED_ATTR] = unit
     unit.wrapped.register_forward_pre_hook(_before_recompute, with_kwargs=True)
@@ -247,6 +248,11 @@ def _before_recompute(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if unit.recomputing is not None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         _swap_in(unit, unit.recomputing.wholes)
     return None
+
+
+def _forget_recompute(call: _UnitCall) -> None:
+    if call.unit.recomputing is not None and call.unit.recomputing.call is call:
+        call.unit.recomputing = None
 
 
 def _after_recompute(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -329,7 +335,7 @@ def _owner(module: nn.Module, holders: list[list[str]]) -> tuple[nn.Module, nn.M
     whose subtree contains every holder (the whole model gives a bucket per block its block; the norm and head of
     a root the root), raised through wrappers that hold nothing else (an activation-checkpoint wrapper, which
     ``block.compile()`` then compiles: hooks on a module inside a compiled one would be guarded per block, a
-    graph each). Also the module raised from, when the owner is a wrapper around it (else None)."""
+    graph each). Also the module raised from, when the owner is a wrapper that calls it (else None)."""
     paths = [path.split(".") if path else [] for names in holders for path in names]
     common = paths[0]
     for path in paths[1:]:
@@ -344,4 +350,6 @@ def _owner(module: nn.Module, holders: list[list[str]]) -> tuple[nn.Module, nn.M
         if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or {id(p) for p in parent.parameters()} != own:
             break  # a container no one calls, or a module holding more
         common, owner = common[:-1], parent
-    return owner, (innermost if owner is not innermost else None)
+    wraps = owner is not innermost and not isinstance(innermost, (nn.ModuleList, nn.ModuleDict))  # a container is
+    # never called: its parent calls its children
+    return owner, (innermost if wraps else None)
