@@ -538,10 +538,8 @@ class DBuffer:
         pending, config = self._pending, self._pending_config
         if pending is not None and pending.grad is not None:
             self._settle_pending_views()
-            self._pending = self._pending_config = self._pending_views_version = None
-            self._pending_in_graph = False
             self.reached |= self.pending_names
-            self.pending_names = set()
+            self.forget_pending()
             grad = pending.grad
             pending.grad = None
             del pending
@@ -552,6 +550,12 @@ class DBuffer:
         else:
             return
         self.add_reduced(lambda: reduce_gradient(grad, config, self.dtype), agreed)
+
+    def forget_pending(self) -> None:
+        """Hold no accumulated sum any more (:meth:`flush_pending` has taken it, or it is dropped unreduced)."""
+        self._pending = self._pending_config = self._pending_views_version = None
+        self._pending_in_graph = False
+        self.pending_names = set()
 
     def add_reduced(self, reduce: Callable[[], torch.Tensor], agreed: Collection[str] | None = None) -> None:
         """Add the gradient shard ``reduce()`` returns into the bucket's gradient (it becomes the gradient if
@@ -744,17 +748,18 @@ def _end_eager_backward(buf: DBuffer) -> None:
 class _Candidate(NamedTuple):
     bucket: weakref.ref  # a trainable DBuffer gathered eagerly outside a backward
     groups: tuple  # its data-parallel process groups
+    key: tuple[str, ...]  # their names: the candidates agreed in one all-reduce
     size: int  # its parameters: the bytes it takes in the end-of-backward agreement after its three flags
     device: torch.device  # its shard's: the agreement's tensors live there (NCCL's on the GPU)
 
-    @property
-    def key(self) -> tuple[str, ...]:
-        """Its data-parallel groups' names: the candidates agreed in one all-reduce."""
-        return tuple(g.group_name for g in self.groups)
+
+def _group_key(groups: Iterable) -> tuple[str, ...]:
+    return tuple(g.group_name for g in groups)
 
 
 def _candidate(buf: DBuffer) -> _Candidate:
-    return _Candidate(weakref.ref(buf), tuple(buf.mesh.data_parallel_groups()), len(buf.names), buf.shard.device)
+    groups = tuple(buf.mesh.data_parallel_groups())
+    return _Candidate(weakref.ref(buf), groups, _group_key(groups), len(buf.names), buf.shard.device)
 
 
 _candidates: list[_Candidate] = []  # in the order they were first gathered
@@ -785,7 +790,7 @@ class _Agreement(NamedTuple):
 def _agreement(gathering: DBuffer, backward: int) -> _Agreement | None:
     """This rank's side of the agreement before ``gathering``'s gather in ``backward`` (None: no candidates)."""
     note_eager_backward()
-    key = _candidate(gathering).key
+    key = _group_key(gathering.mesh.data_parallel_groups())
     candidates = [c for c in _early if c.key == key]
     if not candidates:
         return None
@@ -858,10 +863,8 @@ def _agree_and_flush(candidates: list[_Candidate]) -> list[_Candidate]:
 
 
 def _drop_pending(buf: DBuffer) -> None:
-    """Forget ``buf``'s unreduced sum, unreduced."""
-    buf._pending = buf._pending_config = buf._pending_views_version = None
-    buf._pending_in_graph = False
-    buf.pending_names = set()
+    """Forget ``buf``'s sum, unreduced."""
+    buf.forget_pending()
     if buf in _with_pending:
         _with_pending.remove(buf)
 
@@ -936,9 +939,10 @@ def _end_of_backward() -> None:
     graphs', which every rank holds alike)."""
     if _candidates:
         kept = _agree_and_flush(_candidates)
+        still = {id(c) for c in kept}
         for c in _candidates:
             b = c.bucket()
-            if b is not None and all(k is not c for k in kept):
+            if b is not None and id(c) not in still:
                 b.eager_candidate = False
         _candidates[:] = _early[:] = kept
     for buf in list(_with_pending):
